@@ -1,0 +1,94 @@
+"""The storage interface every backend implements.
+
+Backends are deliberately dumb: they move bytes and report what happened.
+Retries, conflict resolution (the lost-acknowledgement read-back), hashing and
+selection live above them, in :mod:`ckptstore.store`, written once.
+
+Contract (each backend's conformance tests check it):
+
+* ``put(key, chunks)`` writes an object (replacing any existing one) and
+  returns only when it is durable as far as the backend can promise (fsync of
+  the file and its directory on POSIX; a completed PUT on object stores).
+* ``create(key, data)`` is an **atomic create-if-absent**: it returns True when
+  this call created the object, False when an object already existed at the
+  key (and leaves it untouched). Two racing callers: exactly one gets True.
+  A backend that cannot do this sets ``capabilities.atomic_create = False``
+  and raises :class:`UnsupportedBackendError` from ``create``; the store then
+  refuses to commit instead of falling back to check-then-write.
+* ``get`` / ``get_range`` / ``size`` raise :class:`NotFoundError` for a missing
+  key. ``list(prefix)`` returns every object under the prefix (recursive),
+  never directories or temp files; an empty "directory" is no object.
+* ``delete`` of a missing key is not an error.
+* Infrastructure failures raise :class:`StoreUnavailableError`, or
+  :class:`TransientError` when a retry may help.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    atomic_create: bool = True
+    #: put() is durable across a power loss when it returns (fsync'd).
+    durable_put: bool = True
+    #: Listing after a write sees the write (S3, GCS, POSIX, memory all do).
+    consistent_list: bool = True
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    #: Last modification, seconds since the epoch (the server's clock on object stores).
+    mtime: float
+
+
+class Backend(abc.ABC):
+    """Abstract storage backend. Keys are '/'-separated relative paths."""
+
+    capabilities: Capabilities = Capabilities()
+    #: Human-readable location, used in messages.
+    url: str = ""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object (shorter if the object is shorter)."""
+
+    @abc.abstractmethod
+    def put(self, key: str, chunks: Iterable[Buffer]) -> None: ...
+
+    @abc.abstractmethod
+    def create(self, key: str, data: bytes) -> bool: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[ObjectInfo]: ...
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def exists(self, key: str) -> bool:
+        from ..errors import NotFoundError
+
+        try:
+            self.size(key)
+        except NotFoundError:
+            return False
+        return True
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release clients and connections. Idempotent."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

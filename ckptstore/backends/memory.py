@@ -1,0 +1,82 @@
+"""In-memory backend: a dict under a lock, per instance.
+
+``memory://NAME`` URLs resolve to a process-wide registry of named instances
+(so two ``CheckpointStore.open`` calls see the same data); ``MemoryBackend()``
+created directly is private to its holder. Used by tests and for dry runs;
+nothing survives the process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+from ..errors import NotFoundError
+from .base import Backend, Buffer, Capabilities, ObjectInfo
+
+
+class MemoryBackend(Backend):
+    capabilities = Capabilities(atomic_create=True, durable_put=False, consistent_list=True)
+
+    def __init__(self, name: str = "") -> None:
+        self.url = f"memory://{name}"
+        self._lock = threading.Lock()
+        self._objects: dict[str, tuple[bytes, float]] = {}
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            try:
+                return self._objects[key][0]
+            except KeyError:
+                raise NotFoundError(f"{self.url}/{key}: no such object") from None
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.get(key)[start:end]
+
+    def put(self, key: str, chunks: Iterable[Buffer]) -> None:
+        data = b"".join(bytes(c) for c in chunks)
+        with self._lock:
+            self._objects[key] = (data, time.time())
+
+    def create(self, key: str, data: bytes) -> bool:
+        with self._lock:
+            if key in self._objects:
+                return False
+            self._objects[key] = (bytes(data), time.time())
+            return True
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        with self._lock:
+            return [
+                ObjectInfo(k, len(v[0]), v[1]) for k, v in sorted(self._objects.items()) if k.startswith(prefix)
+            ]
+
+    def size(self, key: str) -> int:
+        return len(self.get(key))
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._objects.pop(key, None)
+
+    # raw access for tests (ground truth, bypassing the store)
+    def raw_set(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._objects[key] = (bytes(data), time.time())
+
+
+_REGISTRY: dict[str, MemoryBackend] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def named_memory_backend(name: str) -> MemoryBackend:
+    with _REGISTRY_LOCK:
+        b = _REGISTRY.get(name)
+        if b is None:
+            b = _REGISTRY[name] = MemoryBackend(name)
+        return b
+
+
+def clear_memory_registry() -> None:
+    with _REGISTRY_LOCK:
+        _REGISTRY.clear()

@@ -1,0 +1,280 @@
+"""The ``ckptstore`` command line.
+
+Human tables by default, ``--json`` for machines. Every deliberate error is one
+line on stderr and a non-zero exit code (2 for bad input, 1 for a failed check
+or unavailable storage), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import CkptStoreError, InvalidInputError
+from .store import CheckpointStore, SaveRef
+
+
+def _human_bytes(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p in pairs or []:
+        if "=" not in p:
+            raise InvalidInputError(f"--storage-option {p!r}: expected KEY=VALUE")
+        k, v = p.split("=", 1)
+        val: Any = v
+        if v.lower() in ("true", "false"):
+            val = v.lower() == "true"
+        out[k] = val
+    return out
+
+
+def _open(args: argparse.Namespace) -> CheckpointStore:
+    return CheckpointStore.open(
+        args.url, args.run, mode="r", storage_options=_parse_options(getattr(args, "storage_option", None))
+    )
+
+
+def _ref_json(ref: SaveRef) -> dict[str, Any]:
+    return {
+        "step": ref.step,
+        "attempt": ref.attempt,
+        "save_id": ref.save_id,
+        "manifest_digest": ref.manifest_digest,
+        "bytes": ref.total_bytes,
+        "components": {n: c.to_json() for n, c in sorted(ref.components.items())},
+        "metadata": ref.metadata,
+    }
+
+
+def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
+    if args.json:
+        print(json.dumps(obj, indent=2, sort_keys=True))
+    else:
+        print(text)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = _open(args)
+    infos = store.list_saves(deep=args.deep, grace_seconds=args.grace)
+    rows = [
+        [
+            "*" if i.selected else "",
+            str(i.step),
+            str(i.attempt),
+            i.state.value,
+            _human_bytes(i.bytes),
+            str(i.components),
+            i.save_id,
+            i.detail,
+        ]
+        for i in infos
+    ]
+    text = _table(rows, ["", "step", "attempt", "state", "size", "parts", "save_id", "detail"]) if rows else "no saves"
+    _emit(args, [i.to_json() for i in infos], text)
+    return 0
+
+
+def cmd_latest(args: argparse.Namespace) -> int:
+    store = _open(args)
+    sel = store.latest_complete(deep=args.deep, explain=True)
+    obj = {"latest": _ref_json(sel.latest) if sel.latest else None, "skipped": [s.to_json() for s in sel.skipped]}
+    lines = []
+    if sel.latest:
+        lines.append(
+            f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {sel.latest.save_id}, "
+            f"{_human_bytes(sel.latest.total_bytes)})"
+        )
+    else:
+        lines.append("no complete save")
+    for s in sel.skipped:
+        lines.append(f"  skipped step {s.step} attempt {s.attempt}: {s.reason.value}: {s.detail}")
+    _emit(args, obj, "\n".join(lines))
+    return 0 if sel.latest else 1
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = _open(args)
+    if args.step is None:
+        ref = store.latest_complete(deep=False)
+        if ref is None:
+            _emit(args, {"ok": False, "error": "no complete save"}, "no complete save to verify")
+            return 1
+    else:
+        ref = store.get_save(args.step, args.attempt)
+    t0 = time.monotonic()
+    rep = store.verify(ref, deep=not args.shallow)
+    took = time.monotonic() - t0
+    obj = {
+        "ok": rep.ok,
+        "step": ref.step,
+        "attempt": ref.attempt,
+        "save_id": ref.save_id,
+        "deep": rep.deep,
+        "seconds": round(took, 3),
+        "problems": [{"reason": r.value, "detail": d} for r, d in rep.problems],
+    }
+    if rep.ok:
+        text = (
+            f"OK: step {ref.step} (save {ref.save_id}): {len(ref.components)} component(s), "
+            f"{_human_bytes(ref.total_bytes)} {'re-hashed' if rep.deep else 'sizes checked'} in {took:.2f}s"
+        )
+    else:
+        text = f"CORRUPT: step {ref.step} (save {ref.save_id}):\n" + "\n".join(
+            f"  {r.value}: {d}" for r, d in rep.problems
+        )
+    _emit(args, obj, text)
+    return 0 if rep.ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    store = _open(args)
+    rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply)
+    obj = {
+        "dry_run": rep.dry_run,
+        "kept": rep.kept,
+        "deleted_saves": [{"save_id": s, "reason": r} for s, r in rep.deleted_saves],
+        "deleted_objects": [a.key for a in rep.actions],
+    }
+    verb = "would delete" if rep.dry_run else "deleted"
+    lines = [f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s); kept {len(rep.kept)}"]
+    lines += [f"  {s}: {r}" for s, r in rep.deleted_saves]
+    if rep.dry_run and rep.actions:
+        lines.append("dry run: pass --apply to delete")
+    _emit(args, obj, "\n".join(lines))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    store = _open(args)
+    run = store.run_record
+    attempts = store.attempts()
+    if args.step is not None:
+        ref: SaveRef | None = store.get_save(args.step, args.attempt)
+    else:
+        ref = store.latest_complete()
+    obj = {
+        "run_id": store.run_id,
+        "url": store.backend.url,
+        "identity": run["identity"],
+        "identity_digest": store.identity_digest,
+        "lineage": run.get("lineage"),
+        "created_at": run.get("created_at"),
+        "attempts": [a.to_record() for a in attempts],
+        "save": _ref_json(ref) if ref else None,
+    }
+    lines = [f"run {store.run_id} at {store.backend.url}", "identity:"]
+    lines += [f"  {k}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(run["identity"].items())]
+    if run.get("lineage"):
+        lines.append(f"lineage: {json.dumps(run['lineage'], sort_keys=True)}")
+    lines.append(f"attempts: {len(attempts)}")
+    for a in attempts:
+        start = "scratch" if a.resumed_from is None else f"step {a.resumed_from}"
+        lines.append(f"  #{a.number} resumed from {start} on {a.host or '?'}")
+    if ref:
+        lines.append(f"save step {ref.step} attempt {ref.attempt} ({ref.save_id}), manifest {ref.manifest_digest[:16]}…")
+        rows = [[n, _human_bytes(c.size), c.blake3[:16] + "…"] for n, c in sorted(ref.components.items())]
+        lines.append(_table(rows, ["component", "size", "blake3"]))
+    else:
+        lines.append("no complete save")
+    _emit(args, obj, "\n".join(lines))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.store)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ckptstore",
+        description="Crash-consistent training checkpoints. Without a command: a save / crash / resume demonstration.",
+    )
+    sub = p.add_subparsers(dest="command")
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("url", help="store URL: a directory, file://, memory://, s3://bucket/prefix, gs://bucket/prefix")
+        sp.add_argument("run", help="run ID")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument(
+            "--storage-option", "-o", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)"
+        )
+
+    sp = sub.add_parser("ls", help="list every save of a run with its state")
+    common(sp)
+    sp.add_argument("--deep", action="store_true", help="re-hash every component")
+    sp.add_argument("--grace", type=float, default=3600.0, help="seconds an uncommitted save counts as in progress")
+    sp.set_defaults(fn=cmd_ls)
+
+    sp = sub.add_parser("latest", help="the newest complete save, and why newer candidates were skipped")
+    common(sp)
+    sp.add_argument("--deep", action="store_true", help="re-hash every component")
+    sp.set_defaults(fn=cmd_latest)
+
+    sp = sub.add_parser("verify", help="re-hash a save (the latest by default); exit 1 on corruption")
+    common(sp)
+    sp.add_argument("--step", type=int)
+    sp.add_argument("--attempt", type=int)
+    sp.add_argument("--shallow", action="store_true", help="check sizes only")
+    sp.set_defaults(fn=cmd_verify)
+
+    sp = sub.add_parser("gc", help="delete old, superseded and abandoned saves (dry run unless --apply)")
+    common(sp)
+    sp.add_argument("--keep-last", type=int, default=2)
+    sp.add_argument("--grace", type=float, default=3600.0, help="never delete an uncommitted save younger than this")
+    sp.add_argument("--apply", action="store_true", help="really delete")
+    sp.set_defaults(fn=cmd_gc)
+
+    sp = sub.add_parser("inspect", help="a run's identity, attempts and a save's manifest")
+    common(sp)
+    sp.add_argument("--step", type=int)
+    sp.add_argument("--attempt", type=int)
+    sp.set_defaults(fn=cmd_inspect)
+
+    sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
+    sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
+    sp.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["demo", *([] if argv is None else list(argv))])
+    try:
+        return int(args.fn(args))
+    except InvalidInputError as exc:
+        print(f"ckptstore: error: {exc}", file=sys.stderr)
+        return 2
+    except CkptStoreError as exc:
+        print(f"ckptstore: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ckptstore: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

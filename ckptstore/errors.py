@@ -1,0 +1,92 @@
+"""One exception hierarchy for everything ckptstore raises on purpose.
+
+Every error carries a message meant for the person who has to act on it: what
+happened, to which object, and what to do next. Callers that need to branch
+catch a class; callers that only report print ``str(err)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CkptStoreError(Exception):
+    """Base class of every error ckptstore raises deliberately."""
+
+
+class InvalidInputError(CkptStoreError, ValueError):
+    """An argument is malformed (bad URL, run ID, step, component name, data type).
+
+    Raised before anything is written.
+    """
+
+
+class StoreUnavailableError(CkptStoreError):
+    """The storage behind a URL cannot be reached or used (missing bucket,
+    bad credentials, unreachable endpoint, permission denied)."""
+
+
+class TransientError(StoreUnavailableError):
+    """A failure that may succeed on retry (timeout, connection reset, HTTP 5xx,
+    429, S3 409 ConditionalRequestConflict). Backends raise it; the store
+    retries with bounded exponential backoff above the backend."""
+
+
+class UnsupportedBackendError(CkptStoreError):
+    """The backend lacks a capability the operation needs (for example an
+    atomic create-if-absent, without which ckptstore refuses to commit)."""
+
+
+class NotFoundError(CkptStoreError, FileNotFoundError):
+    """A run, save or component that was asked for does not exist."""
+
+
+class CommitConflictError(CkptStoreError):
+    """Another writer already committed this step in this attempt."""
+
+
+class SupersededError(CkptStoreError):
+    """A newer attempt of the run has registered; this writer is a zombie.
+
+    ``committed`` tells whether the commit record landed before the newer
+    attempt was seen (it will then never be selected).
+    """
+
+    def __init__(self, message: str, *, committed: bool = False) -> None:
+        super().__init__(message)
+        self.committed = committed
+
+
+class CommitUnknownError(CkptStoreError):
+    """The outcome of a commit could not be settled (the create's reply was
+    lost and the record could not be read back). The save must be treated as
+    not acknowledged; ``latest_complete()`` will tell what actually landed."""
+
+
+class CorruptionError(CkptStoreError):
+    """Stored bytes or records do not match what the commit record promises."""
+
+
+class IdentityMismatchError(CkptStoreError):
+    """A run was opened with an identity that differs from the one bound at
+    its creation. ``fields`` lists every mismatched field."""
+
+    def __init__(self, run_id: str, fields: Sequence[str], details: dict[str, tuple[object, object]]) -> None:
+        self.run_id = run_id
+        self.fields = list(fields)
+        self.details = details
+        shown = "; ".join(f"{k}: stored {details[k][0]!r}, requested {details[k][1]!r}" for k in self.fields)
+        super().__init__(
+            f"run {run_id!r} is bound to a different identity ({len(self.fields)} field(s) differ: {shown}). "
+            "A changed identity is a new experiment: open a new run ID (lineage=... records where it came from) "
+            "instead of resuming this one."
+        )
+
+
+class SaveAbortedError(CkptStoreError):
+    """A save was abandoned before its commit (an exception inside the ``with``
+    block, an I/O error, or a failed verification). Nothing was published."""
+
+
+class BudgetExhaustedError(CkptStoreError):
+    """The declared compute budget is spent; the run must stop."""

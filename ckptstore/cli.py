@@ -255,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
     sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
     sp.set_defaults(fn=cmd_demo)
+
+    sp = sub.add_parser("drill", help="the recovery drill (default command)")
+    sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
+    sp.set_defaults(fn=cmd_demo)
     return p
 
 
@@ -262,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["demo", *([] if argv is None else list(argv))])
+        args = parser.parse_args(["drill"])
     try:
         return int(args.fn(args))
     except InvalidInputError as exc:

@@ -1,0 +1,115 @@
+"""The backend conformance suite, written once (the zarr ``StoreTests`` idea).
+
+Subclass :class:`BackendConformance` in a pytest module and provide a
+``backend`` fixture that yields a fresh, empty backend (a unique prefix is
+enough). Every backend ckptstore ships runs exactly this class.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ..backends.base import Backend
+from ..errors import NotFoundError
+
+
+class BackendConformance:
+    """Behaviour every :class:`Backend` must show. Needs a ``backend`` fixture."""
+
+    def test_put_get_roundtrip(self, backend: Backend) -> None:
+        backend.put("a/b/c.bin", [b"hello ", memoryview(b"world")])
+        assert backend.get("a/b/c.bin") == b"hello world"
+        assert backend.size("a/b/c.bin") == 11
+
+    def test_empty_object(self, backend: Backend) -> None:
+        backend.put("e/empty", [])
+        assert backend.get("e/empty") == b""
+        assert [o.key for o in backend.list("e/")] == ["e/empty"]
+
+    def test_put_replaces(self, backend: Backend) -> None:
+        backend.put("k", [b"one"])
+        backend.put("k", [b"two-two"])
+        assert backend.get("k") == b"two-two"
+
+    def test_get_range(self, backend: Backend) -> None:
+        data = bytes(range(256)) * 40
+        backend.put("r", [data])
+        assert backend.get_range("r", 0, 10) == data[:10]
+        assert backend.get_range("r", 5000, 6000) == data[5000:6000]
+        assert backend.get_range("r", len(data) - 3, len(data) + 100) == data[-3:]
+
+    def test_missing_raises_not_found(self, backend: Backend) -> None:
+        with pytest.raises(NotFoundError):
+            backend.get("nope")
+        with pytest.raises(NotFoundError):
+            backend.size("nope/deeper")
+        with pytest.raises(NotFoundError):
+            backend.get_range("nope", 0, 1)
+        assert not backend.exists("nope")
+
+    def test_delete_and_missing_delete(self, backend: Backend) -> None:
+        backend.put("d/x", [b"1"])
+        backend.delete("d/x")
+        assert not backend.exists("d/x")
+        backend.delete("d/x")  # no error
+        assert backend.list("d/") == []
+
+    def test_list_is_recursive_sorted_and_prefix_bound(self, backend: Backend) -> None:
+        for k in ["p/b", "p/a/1", "p/a/2", "pq/x", "other/y"]:
+            backend.put(k, [k.encode()])
+        got = backend.list("p/")
+        assert [o.key for o in got] == ["p/a/1", "p/a/2", "p/b"]
+        assert [o.size for o in got] == [5, 5, 3]
+        assert all(o.mtime > 0 for o in got)
+        assert [o.key for o in backend.list("p/a/")] == ["p/a/1", "p/a/2"]
+        assert backend.list("missing/") == []
+
+    def test_list_after_deleting_everything_is_empty(self, backend: Backend) -> None:
+        backend.put("gone/a/x", [b"1"])
+        backend.delete("gone/a/x")
+        assert backend.list("gone/") == []
+        assert backend.list("gone/a/") == []
+
+    def test_create_if_absent(self, backend: Backend) -> None:
+        assert backend.create("c/rec.json", b"first") is True
+        assert backend.create("c/rec.json", b"second") is False
+        assert backend.get("c/rec.json") == b"first"
+
+    def test_create_racing_threads_one_winner(self, backend: Backend) -> None:
+        n = 8
+        results: list[tuple[int, bool]] = []
+        barrier = threading.Barrier(n)
+        lock = threading.Lock()
+
+        def go(i: int) -> None:
+            barrier.wait()
+            ok = backend.create("race/commit.json", f"writer-{i}".encode())
+            with lock:
+                results.append((i, ok))
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [i for i, ok in results if ok]
+        assert len(winners) == 1, results
+        assert backend.get("race/commit.json") == f"writer-{winners[0]}".encode()
+
+    def test_failing_stream_leaves_no_object(self, backend: Backend) -> None:
+        def gen():  # type: ignore[no-untyped-def]
+            yield b"x" * 1000
+            raise RuntimeError("source failed")
+
+        with pytest.raises(RuntimeError):
+            backend.put("f/broken", gen())
+        assert not backend.exists("f/broken")
+        assert backend.list("f/") == []
+
+    def test_large_object_multi_chunk(self, backend: Backend) -> None:
+        chunk = bytes(range(256)) * 4096  # 1 MiB
+        backend.put("big/obj", [chunk] * 9)
+        assert backend.size("big/obj") == 9 * len(chunk)
+        assert backend.get_range("big/obj", 8 * len(chunk) + 7, 8 * len(chunk) + 9) == chunk[7:9]

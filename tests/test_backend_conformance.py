@@ -1,0 +1,7 @@
+"""The one backend conformance suite, run against every backend kind."""
+
+from ckptstore.testing.conformance import BackendConformance
+
+
+class TestBackendConformance(BackendConformance):
+    pass

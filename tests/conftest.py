@@ -19,6 +19,7 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import MemoryBackend, clear_memory_registry
 
 ALL_KINDS = ["memory", "local", "seaweedfs", "moto", "fakegcs"]
+EXTERNAL_KINDS = ["external-s3", "external-gcs"]
 OBJECT_KINDS = {"seaweedfs", "moto", "fakegcs"}
 
 
@@ -27,7 +28,7 @@ def selected_kinds() -> list[str]:
     if not env:
         return ALL_KINDS
     kinds = [k.strip() for k in env.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ALL_KINDS + ["external-s3", "external-gcs"]]
+    bad = [k for k in kinds if k not in ALL_KINDS + EXTERNAL_KINDS]
     if bad:
         raise pytest.UsageError(f"CKPT_BACKENDS names unknown backends {bad}; known: {ALL_KINDS}")
     return kinds
@@ -83,3 +84,62 @@ def backend_factory(backend_kind: str, tmp_path, request) -> Iterator[Callable[[
 @pytest.fixture
 def backend(backend_factory: Callable[[], Backend]) -> Backend:
     return backend_factory()
+
+
+class ObjectServers:
+    """Session-wide servers, started on first use, stopped at session end.
+
+    A server that cannot start fails every test that needs it, with its log —
+    never a skip. ``external-s3`` / ``external-gcs`` use an endpoint named by
+    ``CKPT_EXTERNAL_S3_URL`` / ``CKPT_EXTERNAL_GCS_URL`` (``s3://bucket/prefix``)
+    and the clients' standard environment variables (``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``; ``STORAGE_EMULATOR_HOST``
+    or Google credentials), so MinIO, Ceph or the real clouds plug in.
+    """
+
+    def __init__(self) -> None:
+        self.servers: dict[str, object] = {}
+        self.failures: dict[str, str] = {}
+
+    def server(self, kind: str):  # type: ignore[no-untyped-def]
+        from backends.servers import SERVERS, ServerStartError
+
+        if kind in self.failures:
+            pytest.fail(f"{kind} server failed to start earlier:\n{self.failures[kind]}", pytrace=False)
+        if kind not in self.servers:
+            try:
+                self.servers[kind] = SERVERS[kind]().start()
+            except ServerStartError as exc:
+                self.failures[kind] = str(exc)
+                pytest.fail(f"{kind} server failed to start:\n{exc}", pytrace=False)
+        return self.servers[kind]
+
+    def url_and_options(self, kind: str, prefix: str) -> tuple[str, dict]:  # type: ignore[type-arg]
+        from backends.servers import BUCKET
+
+        if kind == "external-s3":
+            return os.environ["CKPT_EXTERNAL_S3_URL"].rstrip("/") + "/" + prefix, {}
+        if kind == "external-gcs":
+            return os.environ["CKPT_EXTERNAL_GCS_URL"].rstrip("/") + "/" + prefix, {}
+        srv = self.server(kind)
+        scheme = "gs" if kind == "fakegcs" else "s3"
+        return f"{scheme}://{BUCKET}/{prefix}", srv.storage_options()  # type: ignore[attr-defined]
+
+    def backend(self, kind: str, prefix: str) -> Backend:
+        from ckptstore.backends.objectstore import object_store_backend
+
+        url, opts = self.url_and_options(kind, prefix)
+        return object_store_backend(url, storage_options=opts)
+
+    def stop(self) -> None:
+        for srv in self.servers.values():
+            srv.stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def object_servers() -> Iterator[ObjectServers]:
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    servers = ObjectServers()
+    yield servers
+    servers.stop()

@@ -1,0 +1,379 @@
+"""S3 and GCS backends over fsspec (s3fs, gcsfs).
+
+Components are ordinary uploads (multipart above the block size) under the
+save's unique prefix. Records are created with the store's own conditional
+write:
+
+* S3: ``PutObject`` with ``If-None-Match: *`` through the s3fs client. The
+  answer is classified by **HTTP status**, not exception class: 412 means
+  "exists" (AWS and moto name the condition; SeaweedFS answers 412 without it
+  and s3fs would turn that into ``OSError(EINVAL)``); 409
+  ConditionalRequestConflict, 429 and 5xx are transient; 501/NotImplemented
+  means the server has no conditional writes, and committing is refused.
+* GCS: a single-request (multipart) upload with ``ifGenerationMatch=0``; 412
+  means "exists". fake-gcs-server honours the precondition only on this kind
+  of upload, so records are always sent that way (they are small).
+
+Listing filters out "directory" placeholders (SeaweedFS keeps listing a prefix
+as a directory after its last object was deleted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlparse
+
+from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError, TransientError, UnsupportedBackendError
+from .base import Backend, Buffer, Capabilities, ObjectInfo
+
+_TRANSIENT_NAMES = (
+    "ConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "EndpointConnectionError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "TimeoutError",
+    "ProxyError",
+    "ResponseStreamingError",
+)
+
+PART_SIZE = 16 * 1024 * 1024
+
+
+def _status_of(exc: BaseException) -> int | None:
+    """The HTTP status behind an s3fs/gcsfs/botocore error, wherever it hides."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 6:
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict):
+            st = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(st, int):
+                return st
+        code = getattr(e, "code", None)
+        if isinstance(code, int) and 100 <= code < 600:
+            return code
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+def _error_code(exc: BaseException) -> str:
+    e: BaseException | None = exc
+    for _ in range(6):
+        if e is None:
+            break
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict) and isinstance(resp.get("Error"), dict):
+            return str(resp["Error"].get("Code", ""))
+        e = e.__cause__ or e.__context__
+    return ""
+
+
+def _is_transient(exc: BaseException) -> bool:
+    st = _status_of(exc)
+    if st is not None and (st >= 500 or st in (408, 429)):
+        return True
+    if _error_code(exc) in ("ConditionalRequestConflict", "SlowDown", "RequestTimeout", "InternalError"):
+        return True
+    e: BaseException | None = exc
+    for _ in range(6):
+        if e is None:
+            break
+        if type(e).__name__ in _TRANSIENT_NAMES or isinstance(e, (asyncio.TimeoutError, ConnectionError, TimeoutError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class ObjectStoreBackend(Backend):
+    """A bucket prefix on S3 or GCS, through an fsspec filesystem."""
+
+    capabilities = Capabilities(atomic_create=True, durable_put=True, consistent_list=True)
+
+    def __init__(self, fs: Any, root: str, *, scheme: str) -> None:
+        if scheme not in ("s3", "gs"):
+            raise InvalidInputError(f"unsupported object-store scheme {scheme!r}")
+        self.fs = fs
+        self.scheme = scheme
+        self.root = root.strip("/")
+        if not self.root:
+            raise InvalidInputError("object-store URL needs a bucket (s3://bucket/prefix)")
+        self.bucket = self.root.split("/", 1)[0]
+        self.url = f"{scheme}://{self.root}"
+
+    # -- helpers ---------------------------------------------------------
+    def _path(self, key: str) -> str:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise InvalidInputError(f"invalid key {key!r}")
+        return f"{self.root}/{key}"
+
+    def _key(self, path: str) -> str:
+        path = path.lstrip("/")
+        if path.startswith(self.root + "/"):
+            return path[len(self.root) + 1 :]
+        return path
+
+    def _raise(self, exc: BaseException, what: str, key: str) -> None:
+        """Translate a client error into the ckptstore hierarchy (always raises)."""
+        where = f"{self.url}/{key}"
+        if isinstance(exc, FileNotFoundError) or _status_of(exc) == 404:
+            code = _error_code(exc)
+            if code == "NoSuchBucket" or "bucket" in str(exc).lower():
+                raise StoreUnavailableError(
+                    f"{self.url}: bucket {self.bucket!r} does not exist (or is not visible with these credentials)"
+                ) from exc
+            raise NotFoundError(f"{where}: no such object") from exc
+        if _is_transient(exc):
+            raise TransientError(f"{where}: {what} failed transiently: {exc}") from exc
+        st = _status_of(exc)
+        if isinstance(exc, PermissionError) or st in (401, 403) or "Forbidden" in str(exc):
+            raise StoreUnavailableError(
+                f"{self.url}: access denied during {what} of {key!r}; check the credentials "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or the GCS token) and the bucket's permissions"
+            ) from exc
+        raise StoreUnavailableError(f"{where}: {what} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _invalidate(self, path: str | None = None) -> None:
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- interface -------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self._path(key)))
+        except Exception as exc:  # noqa: BLE001
+            self._raise(exc, "read", key)
+            raise
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self._path(key), start=start, end=end))
+        except Exception as exc:  # noqa: BLE001
+            self._raise(exc, "ranged read", key)
+            raise
+
+    def put(self, key: str, chunks: Iterable[Buffer]) -> None:
+        path = self._path(key)
+        f = None
+
+        def discard() -> None:
+            if f is not None and not f.closed:
+                try:
+                    f.discard()
+                except Exception:  # noqa: BLE001
+                    pass
+                # fsspec files flush on close/__del__: mark closed so nothing lands
+                f.closed = True
+
+        try:
+            try:
+                f = self.fs.open(path, "wb", block_size=PART_SIZE)
+            except Exception as exc:  # noqa: BLE001
+                self._raise(exc, "upload", key)
+            it = iter(chunks)
+            while True:
+                try:
+                    c = next(it)
+                except StopIteration:
+                    break
+                except BaseException:
+                    discard()  # the source failed: nothing must land
+                    raise
+                try:
+                    f.write(c)  # type: ignore[union-attr]
+                except Exception as exc:  # noqa: BLE001
+                    discard()
+                    self._raise(exc, "upload", key)
+            try:
+                f.close()  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001
+                discard()
+                self._raise(exc, "upload", key)
+        except BaseException:
+            discard()
+            raise
+        finally:
+            self._invalidate(path.rsplit("/", 1)[0])
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        try:
+            if self.scheme == "s3":
+                return self._s3_create(path, bytes(data))
+            return self._gcs_create(path, bytes(data))
+        finally:
+            self._invalidate(path.rsplit("/", 1)[0])
+
+    def _s3_create(self, path: str, data: bytes) -> bool:
+        from fsspec.asyn import sync
+
+        bucket, _, k = path.partition("/")
+
+        async def go() -> Any:
+            s3 = await self.fs.get_s3(bucket)
+            return await s3.put_object(Bucket=bucket, Key=k, Body=data, IfNoneMatch="*")
+
+        try:
+            sync(self.fs.loop, go)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            st = _status_of(exc)
+            if st == 412:
+                return False
+            code = _error_code(exc)
+            if st == 501 or code in ("NotImplemented", "InvalidArgument") and "If-None-Match" in str(exc):
+                raise UnsupportedBackendError(
+                    f"{self.url}: the server does not support conditional writes (If-None-Match: *); "
+                    "ckptstore cannot commit atomically there"
+                ) from exc
+            self._raise(exc, "conditional create", self._key(path))
+            raise
+
+    def _gcs_create(self, path: str, data: bytes) -> bool:
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except Exception as exc:  # noqa: BLE001
+            if _status_of(exc) == 412:
+                return False
+            self._raise(exc, "conditional create", self._key(path))
+            raise
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        # list the deepest "directory" of the prefix, then filter by the full prefix
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = f"{self.root}/{base}" if base else self.root
+        self._invalidate(top)
+        try:
+            found = self.fs.find(top, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:  # noqa: BLE001
+            self._raise(exc, "list", prefix)
+            raise
+        out = []
+        for path, info in found.items():
+            if info.get("type") == "directory" or path.endswith("/"):
+                continue
+            key = self._key(path)
+            if not key.startswith(prefix):
+                continue
+            out.append(ObjectInfo(key, int(info.get("size") or 0), _mtime(info)))
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        self._invalidate(path)
+        try:
+            info = self.fs.info(path)
+        except Exception as exc:  # noqa: BLE001
+            self._raise(exc, "stat", key)
+            raise
+        if info.get("type") == "directory":
+            raise NotFoundError(f"{self.url}/{key}: no such object")
+        return int(info["size"])
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            if _status_of(exc) == 404:
+                return
+            self._raise(exc, "delete", key)
+        finally:
+            self._invalidate(path.rsplit("/", 1)[0])
+
+    def check_bucket(self) -> None:
+        """Fail early and clearly when the bucket is missing or unreachable."""
+        try:
+            ok = self.fs.exists(self.bucket)
+        except Exception as exc:  # noqa: BLE001
+            if _is_transient(exc):
+                raise StoreUnavailableError(
+                    f"{self.url}: cannot reach the endpoint ({type(exc).__name__}: {exc}); check the endpoint URL "
+                    "(AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST or storage_options) and the network"
+                ) from exc
+            self._raise(exc, "bucket check", "")
+            raise
+        if not ok:
+            raise StoreUnavailableError(
+                f"{self.url}: bucket {self.bucket!r} does not exist or is not accessible; create it first "
+                "or check the credentials"
+            )
+
+    def close(self) -> None:
+        pass
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    for k in ("LastModified", "updated", "mtime", "timeCreated"):
+        v = info.get(k)
+        if v is None:
+            continue
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+        try:
+            return datetime.fromisoformat(str(v).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+    return 0.0
+
+
+def object_store_backend(url: str, *, storage_options: dict[str, Any]) -> ObjectStoreBackend:
+    """Build the backend for ``s3://bucket/prefix`` or ``gs://``/``gcs://``.
+
+    ``storage_options`` go to s3fs/gcsfs unchanged (``key``, ``secret``,
+    ``endpoint_url``, ``client_kwargs``, ``token``, ``project`` ...). The clients'
+    standard environment variables apply: ``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``;
+    ``STORAGE_EMULATOR_HOST`` for GCS.
+    """
+    parsed = urlparse(url)
+    scheme = "gs" if parsed.scheme.lower() in ("gs", "gcs") else "s3"
+    root = (parsed.netloc + parsed.path).strip("/")
+    if not parsed.netloc:
+        raise InvalidInputError(f"{url}: missing bucket name ({scheme}://bucket/prefix)")
+    opts = dict(storage_options)
+    opts.setdefault("skip_instance_cache", True)
+    opts.setdefault("use_listings_cache", False)
+    try:
+        if scheme == "s3":
+            import s3fs
+
+            cfg = dict(opts.pop("config_kwargs", {}) or {})
+            cfg.setdefault("connect_timeout", 10)
+            cfg.setdefault("read_timeout", 120)
+            cfg.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
+            fs = s3fs.S3FileSystem(config_kwargs=cfg, **opts)
+        else:
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+            import gcsfs
+
+            if "endpoint_url" not in opts and os.environ.get("STORAGE_EMULATOR_HOST"):
+                opts.setdefault("token", "anon")
+            fs = gcsfs.GCSFileSystem(**opts)
+    except ImportError as exc:
+        extra = "s3" if scheme == "s3" else "gcs"
+        raise InvalidInputError(f"{url}: install ckptstore[{extra}] to use {scheme}:// URLs ({exc})") from None
+    except TypeError as exc:
+        raise InvalidInputError(f"{url}: bad storage_options: {exc}") from None
+    backend = ObjectStoreBackend(fs, root, scheme=scheme)
+    backend.check_bucket()
+    return backend

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
@@ -336,6 +337,29 @@ def _mtime(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
+def _probe_endpoint(url: str, scheme: str, opts: Mapping[str, Any]) -> None:
+    """Fail fast (seconds, not the clients' minutes of retries) when an explicitly
+    configured endpoint does not accept connections."""
+    endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+    if not endpoint:
+        env = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if scheme == "s3" else ("STORAGE_EMULATOR_HOST",)
+        endpoint = next((os.environ[e] for e in env if os.environ.get(e)), None)
+    if not endpoint:
+        return
+    parsed = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+    host = parsed.hostname
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    if not host:
+        raise InvalidInputError(f"{url}: malformed endpoint {endpoint!r}")
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as exc:
+        raise StoreUnavailableError(
+            f"{url}: cannot reach the endpoint {endpoint} ({exc.strerror or exc}); check the endpoint URL "
+            "(storage_options endpoint_url, AWS_ENDPOINT_URL or STORAGE_EMULATOR_HOST) and that the server runs"
+        ) from None
+
+
 def object_store_backend(url: str, *, storage_options: dict[str, Any]) -> ObjectStoreBackend:
     """Build the backend for ``s3://bucket/prefix`` or ``gs://``/``gcs://``.
 
@@ -374,6 +398,7 @@ def object_store_backend(url: str, *, storage_options: dict[str, Any]) -> Object
         raise InvalidInputError(f"{url}: install ckptstore[{extra}] to use {scheme}:// URLs ({exc})") from None
     except TypeError as exc:
         raise InvalidInputError(f"{url}: bad storage_options: {exc}") from None
+    _probe_endpoint(url, scheme, storage_options)
     backend = ObjectStoreBackend(fs, root, scheme=scheme)
     backend.check_bucket()
     return backend

@@ -1,0 +1,112 @@
+"""Object-store specifics: URLs, credentials, errors, and commit races on real servers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import pytest
+
+from ckptstore import CheckpointStore, StoreUnavailableError
+from ckptstore.backends.objectstore import object_store_backend
+from ckptstore.cli import main as cli_main
+
+from .test_protocol import IDENT, save
+
+backend_kinds = ["seaweedfs", "moto", "fakegcs"]
+# 200 rounds take ~12 s on moto and ~2 s on fake-gcs-server; SeaweedFS 4.48 makes
+# losing conditional PUTs wait whole seconds (1-3 s per round), so the default
+# suite runs fewer rounds there. CKPT_RACE_ROUNDS overrides for all servers.
+ROUNDS = {"seaweedfs": 15, "moto": 200, "fakegcs": 200}
+
+
+def test_racing_creates_one_winner_each_round(backend, backend_kind) -> None:  # type: ignore[no-untyped-def]
+    """8 writers race to create the same commit key, many times: one winner, its body stored."""
+    n = 8
+    violations = []
+    rounds = int(os.environ.get("CKPT_RACE_ROUNDS", ROUNDS[backend_kind]))
+    for r in range(rounds):
+        key = f"race/{r:04d}.json"
+        results: list[bool | None] = [None] * n
+        barrier = threading.Barrier(n)
+
+        def go(i: int, key: str = key, results: list = results) -> None:  # type: ignore[type-arg]
+            barrier.wait()
+            results[i] = backend.create(key, f"writer-{i}".encode())
+
+        ts = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        winners = [i for i, ok in enumerate(results) if ok]
+        if len(winners) != 1 or backend.get(key) != f"writer-{winners[0]}".encode():
+            violations.append((r, results))
+    assert violations == []
+
+
+def test_open_by_url_with_storage_options(backend_kind, object_servers) -> None:  # type: ignore[no-untyped-def]
+    url, opts = object_servers.url_and_options(backend_kind, f"url-{uuid.uuid4().hex[:8]}")
+    st = CheckpointStore.open(url, "run", identity=IDENT, storage_options=opts)
+    ref = save(st, 3)
+    r = CheckpointStore.open(url, "run", mode="r", storage_options=opts)
+    assert r.latest_complete(deep=True).save_id == ref.save_id
+    if backend_kind == "fakegcs":
+        assert url.startswith("gs://")
+        gcs_url = "gcs://" + url[len("gs://") :]
+        assert CheckpointStore.open(gcs_url, "run", mode="r", storage_options=opts).latest_complete().step == 3
+
+
+def test_open_by_url_from_environment(backend_kind, object_servers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    srv = object_servers.server(backend_kind)
+    for k, v in srv.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"{os.environ['CKPT_TEST_URL']}/env-{uuid.uuid4().hex[:8]}"
+    st = CheckpointStore.open(url, "run", identity=IDENT)  # no storage_options: env only
+    save(st, 1)
+    assert CheckpointStore.open(url, "run", mode="r").latest_complete().step == 1
+
+
+def test_cli_against_object_store(backend_kind, object_servers, capsys) -> None:  # type: ignore[no-untyped-def]
+    url, opts = object_servers.url_and_options(backend_kind, f"cli-{uuid.uuid4().hex[:8]}")
+    save(CheckpointStore.open(url, "run", identity=IDENT, storage_options=opts), 5)
+    args = []
+    for k, v in opts.items():
+        if isinstance(v, str):
+            args += ["-o", f"{k}={v}"]
+    if "client_kwargs" in opts:
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    assert cli_main(["latest", url, "run", *args]) == 0
+    assert "step 5" in capsys.readouterr().out
+
+
+def test_missing_bucket_is_one_clear_error(backend_kind, object_servers) -> None:  # type: ignore[no-untyped-def]
+    url, opts = object_servers.url_and_options(backend_kind, "x")
+    scheme = url.split("://")[0]
+    with pytest.raises(StoreUnavailableError, match="does not exist"):
+        CheckpointStore.open(f"{scheme}://no-such-bucket-{uuid.uuid4().hex[:6]}/p", "run", identity=IDENT,
+                             storage_options=opts)
+
+
+def test_unreachable_endpoint_is_one_clear_error(backend_kind, object_servers) -> None:  # type: ignore[no-untyped-def]
+    from backends.servers import free_port
+
+    url, opts = object_servers.url_and_options(backend_kind, "x")
+    dead = f"http://127.0.0.1:{free_port()}"
+    opts = {**opts, "endpoint_url": dead}
+    if backend_kind != "fakegcs":
+        opts["config_kwargs"] = {"connect_timeout": 1, "retries": {"max_attempts": 1}}
+    else:
+        opts["retries"] = 1
+    with pytest.raises(StoreUnavailableError, match="cannot reach|does not exist|failed"):
+        object_store_backend(url, storage_options=opts)
+
+
+def test_empty_prefix_after_gc_is_not_a_save(backend_factory) -> None:  # type: ignore[no-untyped-def]
+    st = CheckpointStore.open(backend_factory(), "run", identity=IDENT)
+    for s in (1, 2, 3):
+        save(st, s)
+    st.gc(keep_last=1, grace_seconds=0)
+    infos = CheckpointStore.open(backend_factory(), "run", mode="r").list_saves()
+    assert [(i.step, i.state.value) for i in infos] == [(3, "committed")]

@@ -736,6 +736,18 @@ class CheckpointStore:
             actions,
         )
 
+    def lineage_of(self, ref: SaveRef) -> dict[str, Any]:
+        """The lineage record for starting a *new* run from this save's weights
+        (``CheckpointStore.open(url, new_run_id, identity=..., lineage=store.lineage_of(ref))``).
+        The new run is never a continuation of this one."""
+        return {
+            "source_url": self.backend.url,
+            "source_run": self.run_id,
+            "save_id": ref.save_id,
+            "step": ref.step,
+            "manifest_digest": ref.manifest_digest,
+        }
+
     # --------------------------------------------------------------- events
     def record_event(self, kind: str, payload: Mapping[str, Any]) -> str:
         """Append an event to the run's ledger (created exclusively, never overwritten)."""

@@ -200,6 +200,35 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drill(args: argparse.Namespace) -> int:
+    from .drill.drill import DrillConfig, run_drill
+
+    cfg = DrillConfig(
+        store=args.store,
+        out_dir=args.out,
+        steps=args.steps,
+        budget_gpu_hours=args.budget_gpu_hours,
+        gpu_hours_per_step=args.gpu_hours_per_step,
+        mtbi_steps=args.mtbi_steps,
+        verbose=args.verbose,
+        storage_options=_parse_options(args.storage_option),
+    )
+    return run_drill(cfg)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .budget import Budget
+    from .report import build_record, render_table, render_timeline_svg
+
+    store = _open(args)
+    rec = build_record(store, Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours))
+    if args.svg:
+        with open(args.svg, "w") as f:
+            f.write(render_timeline_svg(rec))
+    _emit(args, rec, render_table(rec))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -256,9 +285,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
     sp.set_defaults(fn=cmd_demo)
 
-    sp = sub.add_parser("drill", help="the recovery drill (default command)")
+    sp = sub.add_parser("drill", help="the recovery drill (the default command)")
     sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
-    sp.set_defaults(fn=cmd_demo)
+    sp.add_argument("--out", default="drill-out", help="where the record, JSON and timeline go")
+    sp.add_argument("--steps", type=int, default=120)
+    sp.add_argument("--budget-gpu-hours", type=float, default=23.0)
+    sp.add_argument("--gpu-hours-per-step", type=float, default=0.1)
+    sp.add_argument("--mtbi-steps", type=float, default=40.0, help="expected steps between interruptions")
+    sp.add_argument("--verbose", action="store_true", help="echo the trainer processes' output")
+    sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE")
+    sp.set_defaults(fn=cmd_drill)
+
+    sp = sub.add_parser("report", help="the operator record of a run, from the store alone")
+    common(sp)
+    sp.add_argument("--budget-gpu-hours", type=float, default=23.0)
+    sp.add_argument("--gpu-hours-per-step", type=float, default=0.1)
+    sp.add_argument("--restart-gpu-hours", type=float, default=0.25)
+    sp.add_argument("--svg", default=None, help="also write the timeline picture here")
+    sp.set_defaults(fn=cmd_report)
     return p
 
 

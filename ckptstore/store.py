@@ -681,13 +681,19 @@ class CheckpointStore:
             sa = P.parse_save_id(sid) or (-1, -1)
             newest = max(o.mtime for o in objs.values())
             state = uncommitted_state(now - newest, grace_seconds)
+            detail = f"{len(objs)} component(s) written, no commit record; last write {now - newest:.0f}s ago"
+            later = superseded_by(sa[0], sa[1], scan.effective) if sa[0] >= 0 else None
+            if later is not None:
+                # its writer was replaced before this step: it can never be committed
+                state = SaveState.PARTIAL
+                detail = f"abandoned ({describe_superseder(later)}); {detail}"
             out.append(
                 SaveInfo(
                     sid,
                     sa[0],
                     sa[1],
                     state,
-                    f"{len(objs)} component(s) written, no commit record; last write {now - newest:.0f}s ago",
+                    detail,
                     sum(o.size for o in objs.values()),
                     len(objs),
                     None,

@@ -15,6 +15,10 @@ Lines on stdout (flushed) tell the parent what happened: ``FRESH``,
 
 from __future__ import annotations
 
+import time as _time
+
+_T0 = _time.monotonic()  # process start, before torch is imported: for time-to-first-useful-step
+
 import argparse
 import json
 import os
@@ -28,7 +32,9 @@ import blake3
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..errors import CkptStoreError
+from ..budget import Budget, account
+from ..decision import Action, plan_resume
+from ..errors import CkptStoreError, NotFoundError
 from ..identity import RunIdentity, digest_tree
 from ..store import CheckpointStore
 from ..torch import Checkpointer, ResumableSampler, torch_environment
@@ -141,6 +147,38 @@ def evaluate(model: torch.nn.Module, snap: Snapshot) -> dict[str, float]:
     return {"eval_loss": loss, "eval_accuracy": acc, "eval_count": len(ev), "train_count": len(snap.train_idx)}
 
 
+class ReplayLog:
+    """A running digest of the batch order (sample IDs), saved with the state so
+    it continues across restarts: replay evidence for the stage comparison."""
+
+    def __init__(self) -> None:
+        self.digest = ""
+
+    def add(self, ids: torch.Tensor) -> None:
+        self.digest = blake3.blake3(self.digest.encode() + ids.numpy().tobytes()).hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batch_order": self.digest}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.digest = str(state["batch_order"])
+
+
+def spent_so_far(url: Any, run_id: str, budget: Budget, storage_options: dict[str, Any] | None = None) -> float:
+    """GPU-hours already spent by earlier attempts, from the store's ledger."""
+    try:
+        st = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options)
+    except NotFoundError:
+        return 0.0
+    acc = account([a.to_record() for a in st.attempts()], st.events(), budget)
+    # a restart about to happen costs its start-up too
+    return acc.spent_gpu_hours + (budget.restart_gpu_hours if acc.attempts else 0.0)
+
+
+class BudgetStop(Exception):
+    pass
+
+
 def _batches(loader: DataLoader) -> Iterator[Any]:
     while True:
         yield from loader
@@ -162,13 +200,26 @@ def train(
     slow_after_component: float = 0.0,
     storage_options: dict[str, Any] | None = None,
     contract_override: str | None = None,
+    budget: Budget | None = None,
+    progress_every: int = 1,
+    slow_mid_component: float = 0.0,
 ) -> dict[str, Any]:
     setup_determinism(cfg.seed)
     snap = make_snapshot(cfg.n_samples, seed=cfg.data_seed, contract=contract_override or cfg.contract)
     objs = build(snap, cfg)
     ident = identity_for(snap, cfg)
+    budget = budget or Budget()
+    spent_before = spent_so_far(url, run_id, budget, storage_options)
+    decision = plan_resume(url, run_id, ident, spent=spent_before, limit=budget.limit_gpu_hours,
+                           storage_options=storage_options)
+    if decision.action is Action.STOP:
+        say(f"STOPPED {decision.reason}")
+        raise BudgetStop(decision.reason)
+    if decision.action is Action.NEW_RUN_REQUIRED:
+        say(f"REFUSED new-run-required: identity changed ({', '.join(decision.mismatched_fields)})")
+        raise CkptStoreError(f"identity changed: {decision.mismatched_fields}")
     backend: Any = url
-    if slow_commit or slow_after_component:
+    if slow_commit or slow_after_component or slow_mid_component:
         from ..testing.faults import FaultyBackend
         from ..urls import backend_from_url
 
@@ -177,28 +228,39 @@ def train(
             fb.slow(None, slow_commit, when=lambda op, key: op == "create" and "/commits/" in key)
         if slow_after_component:
             fb.slow(None, slow_after_component, when=lambda op, key: op == "put" and key.endswith("state.json"))
+        if slow_mid_component:
+            fb.slow_stream(slow_mid_component, when=lambda op, key: op == "put" and key.endswith("optimizer.safetensors"))
         backend = fb
     store = CheckpointStore.open(backend, run_id, identity=ident, storage_options=storage_options)
     model, opt, sched = objs["model"], objs["optimizer"], objs["scheduler"]
+    replay = ReplayLog()
     ckpt = Checkpointer(
         store,
-        {"model": model, "optimizer": opt, "scheduler": sched, "sampler": objs["sampler"]},
+        {"model": model, "optimizer": opt, "scheduler": sched, "sampler": objs["sampler"], "replay": replay},
         every_steps=cfg.save_every,
         async_save=cfg.async_save,
-        metadata=lambda step: {"lr": sched.get_last_lr()[0]},
+        metadata=lambda step: {"lr": sched.get_last_lr()[0], "batch_order": replay.digest},
     )
+    executed = 0
     start = ckpt.resume()
     say("FRESH" if start == 0 else f"RESUMED {start - 1}")
     log = open(sample_log, "a") if sample_log else None  # noqa: SIM115
     batches = _batches(objs["loader"])
     crit = torch.nn.CrossEntropyLoss()
     seen_commits = len(ckpt.saves)
-    t_start = time.monotonic()
     first_step_seconds = None
     for step in range(start, cfg.steps):
+        if spent_before + (executed + 1) * budget.gpu_hours_per_step > budget.limit_gpu_hours + 1e-9:
+            ckpt.close()
+            spent = spent_before + executed * budget.gpu_hours_per_step
+            store.record_event("budget-exhausted", {"step": step - 1, "spent_gpu_hours": spent,
+                                                    "limit_gpu_hours": budget.limit_gpu_hours})
+            say(f"STOPPED budget-exhausted at step {step - 1}: spent {spent:.2f} of {budget.limit_gpu_hours:.2f} GPU-h")
+            raise BudgetStop("budget-exhausted")
         opt.zero_grad(set_to_none=True)
         for micro in range(cfg.accum):
             x, y, ids = next(batches)
+            replay.add(ids)
             if log:
                 log.write(f"{step} {micro} {','.join(map(str, ids.tolist()))}\n")
             loss = crit(model(x), y) / cfg.accum
@@ -207,10 +269,14 @@ def train(
         sched.step()
         if log:
             log.flush()
-        if first_step_seconds is None:
-            first_step_seconds = time.monotonic() - t_start
         if step_sleep:
             time.sleep(step_sleep)
+        executed += 1
+        if first_step_seconds is None:
+            first_step_seconds = time.monotonic() - _T0
+            store.record_event("first-step", {"step": step, "seconds": round(first_step_seconds, 4)})
+        if progress_every and (step + 1 - start) % progress_every == 0:
+            store.record_event("progress", {"step": step})
         say(f"STEP {step}")
         if ckpt.due(step) and not ckpt.preempted:
             say(f"SAVE-BEGIN {step}")
@@ -219,7 +285,7 @@ def train(
             s = ckpt.saves[seen_commits]
             say(f"COMMITTED {s['step']} {s['seconds']}")
             seen_commits += 1
-    ckpt.close()
+    ckpt.finish(cfg.steps - 1)  # the final artifact is always a complete save
     while seen_commits < len(ckpt.saves):
         s = ckpt.saves[seen_commits]
         say(f"COMMITTED {s['step']} {s['seconds']}")
@@ -234,6 +300,10 @@ def train(
         "data_digest": snap.data_digest,
         "split_digest": snap.split_digest,
     }
+    final_ref = store.latest_complete(deep=True)
+    result["final_save_id"] = final_ref.save_id if final_ref else None
+    result["final_manifest_digest"] = final_ref.manifest_digest if final_ref else None
+    store.record_event("finished", {k: v for k, v in result.items()})
     if result_path:
         with open(result_path, "w") as f:
             json.dump(result, f, indent=2, sort_keys=True)
@@ -255,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-after-component", type=float, default=0.0, help="test hook: delay the state.json put")
     ap.add_argument("--contract", default=None, help="override the feature contract (identity change)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--budget-gpu-hours", type=float, default=23.0)
+    ap.add_argument("--gpu-hours-per-step", type=float, default=0.1)
+    ap.add_argument("--restart-gpu-hours", type=float, default=0.25)
+    ap.add_argument("--progress-every", type=int, default=1)
+    ap.add_argument("--slow-mid-component", type=float, default=0.0, help="test hook: stall inside a component write")
     a = ap.parse_args(argv)
     cfg = TrainConfig(steps=a.steps, save_every=a.save_every, async_save=not a.sync, seed=a.seed)
     try:
@@ -268,7 +343,12 @@ def main(argv: list[str] | None = None) -> int:
             slow_commit=a.slow_commit,
             slow_after_component=a.slow_after_component,
             contract_override=a.contract,
+            budget=Budget(a.budget_gpu_hours, a.gpu_hours_per_step, a.restart_gpu_hours),
+            progress_every=a.progress_every,
+            slow_mid_component=a.slow_mid_component,
         )
+    except BudgetStop:
+        return 4
     except CkptStoreError as exc:
         say(f"REFUSED {type(exc).__name__}: {exc}")
         return 3

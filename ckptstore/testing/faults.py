@@ -114,6 +114,12 @@ class FaultyBackend(Backend):
         self.faults.append(Fault("slow", at=n, predicate=when, seconds=seconds, persistent=n is None))
         return self
 
+    def slow_stream(self, seconds: float, when: Callable[[str, str], bool]) -> FaultyBackend:
+        """Stall in the middle of a matching put, after its first chunk was handed
+        to the inner backend: a process killed then dies *while bytes are being written*."""
+        self.faults.append(Fault("slow_stream", predicate=when, seconds=seconds, persistent=True))
+        return self
+
     def flip_at_rest(self, key: str, offset: int = 0) -> None:
         data = bytearray(self.inner.get(key))
         data[offset % max(1, len(data))] ^= 0x01
@@ -149,6 +155,8 @@ class FaultyBackend(Backend):
                     raise chosen.exc  # type: ignore[misc]
             if chosen is not None and chosen.kind == "slow":
                 time.sleep(chosen.seconds)
+                chosen = None
+            if chosen is not None and chosen.kind == "slow_stream" and op != "put":
                 chosen = None
             if chosen is not None:
                 chosen.fired = True
@@ -189,6 +197,24 @@ class FaultyBackend(Backend):
 
     def put(self, key: str, chunks: Iterable[Buffer]) -> None:
         n, f = self._begin("put", key)
+        if f is not None and f.kind == "slow_stream":
+            secs = f.seconds
+
+            def stalled() -> Iterable[Buffer]:
+                first = True
+                for c in chunks:
+                    mv = memoryview(c)
+                    if first and len(mv) > 1:
+                        yield mv[: len(mv) // 2]
+                        time.sleep(secs)
+                        yield mv[len(mv) // 2 :]
+                    else:
+                        yield mv
+                    first = False
+
+            self.inner.put(key, stalled())
+            self._end(n, "put", key, f"ok (stalled {secs}s mid-write)")
+            return
         if f is None:
             self.inner.put(key, chunks)
             self._end(n, "put", key, "ok")

@@ -77,6 +77,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
+        self._last_scheduled_step: int | None = None
         self._preempted = threading.Event()
         self._old_handlers: dict[int, Any] = {}
         self.saves: list[dict[str, Any]] = []
@@ -106,6 +107,7 @@ class Checkpointer:
                 self.store.record_event("start", {"resumed_from": None})
             return 0
         saved = restore_state(self.store, ref, self.objects, restore_rng_state=restore_rng_state)
+        self._last_scheduled_step = ref.step
         grads = saved.get("grads")
         if grads and self.model is not None:
             for n, p in self.model.named_parameters():
@@ -162,6 +164,7 @@ class Checkpointer:
             self._collect()
             self._raise_background()
         t0 = time.perf_counter()
+        self._last_scheduled_step = step
         objects = dict(self.objects)
         state = collect(objects)
         if include_grads:
@@ -197,7 +200,7 @@ class Checkpointer:
         self._raise_background()
         if self.preempted:
             self.wait()
-            if self._last_saved_step != step:
+            if self._last_scheduled_step != step:
                 self.save(step, blocking=True, **save_kw)
             if self.record_events:
                 self.store.record_event("preempted", {"step": step})
@@ -208,6 +211,14 @@ class Checkpointer:
         if self.due(step):
             self.save(step, **save_kw)
         return False
+
+    def finish(self, step: int) -> SaveRef | None:
+        """End of training: make sure ``step`` (the last one) is saved, wait, close."""
+        ref = None
+        if self._last_scheduled_step != step:
+            ref = self.save(step, blocking=True)
+        self.close()
+        return ref
 
     def close(self) -> None:
         """Wait for the in-flight save, restore signal handlers, raise a pending error."""

@@ -186,8 +186,12 @@ class CheckpointStore:
         resume_from: ResumeFrom = "latest",
         retry: RetryPolicy | None = None,
         lineage: Mapping[str, Any] | None = None,
+        resume_verify: Literal["deep", "cheap"] = "deep",
     ) -> None:
         self.backend = backend
+        if resume_verify not in ("deep", "cheap"):
+            raise InvalidInputError("resume_verify must be 'deep' or 'cheap'")
+        self._resume_deep = resume_verify == "deep"
         self.run_id = P.validate_run_id(run_id)
         self.mode: Literal["r", "w"] = mode or ("w" if identity is not None else "r")
         if self.mode not in ("r", "w"):
@@ -231,6 +235,7 @@ class CheckpointStore:
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         lineage: Mapping[str, Any] | None = None,
+        resume_verify: Literal["deep", "cheap"] = "deep",
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -244,13 +249,19 @@ class CheckpointStore:
         ``resume_from``: ``"latest"`` (the newest complete save, available as
         :attr:`resumed_from`), a step, or ``None`` for a fresh start.
 
+        The resume point is chosen with a deep check by default (every byte of
+        the candidate re-hashed), so a bit flip at rest never becomes the
+        attempt's resume point; ``resume_verify="cheap"`` checks sizes only and
+        leaves digest verification to the restore (which always verifies).
+
         Reading (``mode="r"``): the run must exist; nothing is written.
         """
         from .urls import backend_from_url
 
         backend = url if isinstance(url, Backend) else backend_from_url(url, storage_options=storage_options)
         return cls(
-            backend, run_id, identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage
+            backend, run_id, identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
+            resume_verify=resume_verify,
         )
 
     def _where(self, key: str) -> str:
@@ -332,7 +343,7 @@ class CheckpointStore:
             attempts = self._load_attempts()
             below = max(attempts, default=0) + 1
             if resume_from == "latest":
-                ref = self._select(deep=False, attempts=attempts).latest
+                ref = self._select(deep=self._resume_deep, attempts=attempts).latest
                 r: int | None = ref.step if ref else None
             else:
                 ref, r = None, resume_from
@@ -345,7 +356,8 @@ class CheckpointStore:
                 # A commit that landed between our selection and our registration
                 # (an older writer that did not see us yet) must be adopted, not
                 # silently superseded: re-select ignoring ourselves.
-                again = self._select(deep=False, attempts={n: a for n, a in self._load_attempts().items() if n < below})
+                earlier = {n: a for n, a in self._load_attempts().items() if n < below}
+                again = self._select(deep=self._resume_deep, attempts=earlier)
                 if (again.latest.save_id if again.latest else None) != (ref.save_id if ref else None):
                     abandons.append(below)
                     continue
@@ -926,7 +938,17 @@ class SaveWriter:
                 f"run {store.run_id!r}: step {self.step} was already committed by another writer of "
                 f"attempt {store.attempt.number}; this save ({self.save_id}) was not published"
             )
-        store._check_not_superseded(self.step, committed=True)
+        try:
+            store._check_not_superseded(self.step, committed=True)
+        except SupersededError:
+            raise
+        except (StoreUnavailableError, CorruptionError) as exc:
+            # The record landed, but whether a newer attempt fenced us off cannot be told.
+            raise CommitUnknownError(
+                f"run {store.run_id!r}: the commit record of step {self.step} landed, but the post-commit fence "
+                f"check failed ({exc}); treat the save as not acknowledged — latest_complete() tells whether "
+                "it is selectable"
+            ) from exc
         self.ref = store._ref(record)
         return self.ref
 

@@ -13,6 +13,21 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Hypothesis profiles: "default" is the bounded profile of the normal suite;
+# "deep" runs >= 100,000 state-machine steps (pytest --hypothesis-profile=deep).
+# A failing example prints its rule sequence and a @reproduce_failure blob;
+# --hypothesis-seed=N replays a run.
+settings.register_profile(
+    "default", max_examples=25, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
+settings.register_profile(
+    "deep", max_examples=2500, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("CKPT_HYPOTHESIS_PROFILE", "default"))
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
@@ -37,7 +52,11 @@ def selected_kinds() -> list[str]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend_kind" in metafunc.fixturenames:
         kinds = selected_kinds()
-        only = getattr(metafunc.cls, "backend_kinds", None) or getattr(metafunc.module, "backend_kinds", None)
+        marker = metafunc.definition.get_closest_marker("backends")
+        only = (
+            marker.args if marker is not None
+            else getattr(metafunc.cls, "backend_kinds", None) or getattr(metafunc.module, "backend_kinds", None)
+        )
         if only is not None:
             kinds = [k for k in kinds if k in only]
         metafunc.parametrize("backend_kind", kinds, scope="function")

@@ -83,6 +83,9 @@ class PosixOps:
     def is_dir(self, path: str) -> bool:
         return os.path.isdir(path)
 
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
     def walk(self, top: str) -> Iterable[tuple[str, list[str], list[str]]]:
         return os.walk(top)
 
@@ -94,7 +97,7 @@ class LocalBackend(Backend):
         self.root = os.path.abspath(os.fspath(root))
         self.url = Path(self.root).as_uri()
         self.ops = ops or PosixOps()
-        if os.path.exists(self.root) and not self.ops.is_dir(self.root):
+        if self.ops.exists(self.root) and not self.ops.is_dir(self.root):
             raise InvalidInputError(f"{self.root}: exists and is not a directory")
         if create_root:
             try:
@@ -112,7 +115,7 @@ class LocalBackend(Backend):
         """Create missing directories, each fsynced into its parent."""
         missing = []
         p = path
-        while not os.path.isdir(p):
+        while not self.ops.is_dir(p):
             missing.append(p)
             parent = os.path.dirname(p)
             if parent == p:
@@ -122,7 +125,7 @@ class LocalBackend(Backend):
             try:
                 self.ops.mkdir(d)
             except FileExistsError:
-                if not os.path.isdir(d):
+                if not self.ops.is_dir(d):
                     raise InvalidInputError(f"{d}: exists and is not a directory") from None
                 continue
             self.ops.fsync_dir(os.path.dirname(d))
@@ -235,7 +238,7 @@ class LocalBackend(Backend):
             except OSError:
                 break
             d = os.path.dirname(d)
-        self._fsync_dir_quiet(os.path.dirname(path) if os.path.isdir(os.path.dirname(path)) else d)
+        self._fsync_dir_quiet(os.path.dirname(path) if self.ops.is_dir(os.path.dirname(path)) else d)
 
     def _fsync_dir_quiet(self, d: str) -> None:
         try:

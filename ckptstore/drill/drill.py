@@ -158,6 +158,9 @@ class Drill:
         clean = self._optimizer_digest("receipts-clean", expect_step)
         self.check(f"{label}: fresh process resumed from the newest complete save", ok,
                    f"RESUMED {got}, expected {expect_step}")
+        if not ok:
+            for ln in [x for x in r.lines if x.startswith(("STDERR", "REFUSED", "STOPPED"))][-12:]:
+                self.log(f"      {ln}")
         self.check(f"{label}: optimizer state bytes equal the clean run's at step {expect_step}",
                    ours is not None and ours == clean)
 

@@ -238,15 +238,14 @@ class StoreMachine(RuleBasedStateMachine):
     def gc(self, keep: int) -> None:
         before = self.model.expected_latest()
         self.writer.gc(keep_last=keep, grace_seconds=3600)
-        kept = 0
-        for c in self.model.selectable():
-            kept += 1
-            if kept > keep:
-                c.removed = True
-        keep_ids = {c.save_id for c in self.model.selectable()}
+        selectable = self.model.selectable()
+        keep_ids = {c.save_id for c in selectable}
         for c in self.model.valid():
             if c.save_id not in keep_ids:
                 c.removed = True  # a lower attempt of a step committed again
+        for i, c in enumerate(selectable):
+            if i >= keep:
+                c.removed = True
         for c in self.model.commits.values():
             if self.model.superseded(c):
                 c.removed = True

@@ -114,9 +114,16 @@ class Server:
         self.data_dir = tempfile.mkdtemp(prefix=f"ckptstore-{self.name}-")
         self.port = free_port()
         self.log_path = os.path.join(self.data_dir, "server.log")
+        return self._launch()
+
+    def restart(self) -> Server:
+        """Start again on the same ports and data directory (after ``stop(keep_data=True)``)."""
+        return self._launch()
+
+    def _launch(self) -> Server:
         cmd = self.command()
         env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
             )
@@ -137,7 +144,7 @@ class Server:
         self.stop()
         raise ServerStartError(f"{self.name} did not answer within {self.startup_timeout:.0f}s:\n{self.log_tail()}")
 
-    def stop(self, grace: float = 5.0) -> None:
+    def stop(self, grace: float = 5.0, *, keep_data: bool = False) -> None:
         pid = self.pid
         if not pid:
             return
@@ -161,7 +168,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 pass
         self.pid = 0
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+        if not keep_data:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def env(self) -> dict[str, str]:
         return {}
@@ -238,8 +246,9 @@ class SeaweedFS(_S3Server):
         super().__init__("seaweedfs")
 
     def command(self) -> list[str]:
-        master, volume, filer = free_port(), free_port(), free_port()
-        self.extra_ports = [master, volume, filer]
+        if not self.extra_ports:
+            self.extra_ports = [free_port(), free_port(), free_port()]
+        master, volume, filer = self.extra_ports
         return [
             _bin("weed"),
             "server",

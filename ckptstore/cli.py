@@ -154,9 +154,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         "kept": rep.kept,
         "deleted_saves": [{"save_id": s, "reason": r} for s, r in rep.deleted_saves],
         "deleted_objects": [a.key for a in rep.actions],
+        "temporaries": rep.temporaries,
     }
     verb = "would delete" if rep.dry_run else "deleted"
-    lines = [f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s); kept {len(rep.kept)}"]
+    lines = [f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s), "
+             f"{len(rep.temporaries)} stray temporary file(s); kept {len(rep.kept)}"]
     lines += [f"  {s}: {r}" for s, r in rep.deleted_saves]
     if rep.dry_run and rep.actions:
         lines.append("dry run: pass --apply to delete")

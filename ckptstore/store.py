@@ -136,6 +136,8 @@ class GcReport:
     kept: list[str]
     deleted_saves: list[tuple[str, str]]
     actions: list[GcAction]
+    #: temporary files of killed writers (local disk), older than the grace period
+    temporaries: list[str] = field(default_factory=list)
 
 
 
@@ -724,8 +726,9 @@ class CheckpointStore:
         complete saves; any uncommitted save whose last write is younger than
         ``grace_seconds`` (it may be in flight); corrupt commits (evidence for an
         operator; delete them by hand); records of a newer protocol version.
-        Deleted: older complete saves, superseded saves, and uncommitted saves
-        older than the grace period. A committed save loses its commit record
+        Deleted: older complete saves, superseded saves, uncommitted saves
+        older than the grace period, and temporary files that killed writers
+        left behind (local disk) older than the grace period. A committed save loses its commit record
         *before* its components, so no crash during gc leaves a commit pointing
         at deleted bytes.
         """
@@ -744,14 +747,18 @@ class CheckpointStore:
                 actions.append(GcAction(P.commit_key(self.run_id, info.step, info.attempt), reason))
             for name in sorted(scan.save_objects.get(info.save_id, {})):
                 actions.append(GcAction(P.component_key(self.run_id, info.save_id, name), reason))
+        temp = self.backend.stale_temporaries(P.run_prefix(self.run_id), time.time() - grace_seconds)
         if not dry_run:
             for act in actions:
                 self._retry.call(lambda k=act.key: self.backend.delete(k))  # type: ignore[misc]
+            for t in temp:
+                self.backend.remove_temporary(t)
         return GcReport(
             dry_run,
             [i.save_id for i in plan.keep],
             [(i.save_id, r) for i, r in plan.delete],
             actions,
+            temp,
         )
 
     def lineage_of(self, ref: SaveRef) -> dict[str, Any]:
@@ -768,7 +775,10 @@ class CheckpointStore:
 
     # --------------------------------------------------------------- events
     def record_event(self, kind: str, payload: Mapping[str, Any]) -> str:
-        """Append an event to the run's ledger (created exclusively, never overwritten)."""
+        """Append an event to the run's ledger (created exclusively, never overwritten).
+
+        The one write a read-only store may make, when asked: an operator (or a
+        job refused before it registered an attempt) records what happened."""
         if not kind or not kind.replace("-", "").replace("_", "").isalnum():
             raise InvalidInputError(f"event kind {kind!r} must be alphanumeric with '-' or '_'")
         ts = P.now()

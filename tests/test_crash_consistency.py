@@ -178,3 +178,22 @@ def test_stray_temp_files_are_not_objects(tmp_path) -> None:  # type: ignore[no-
         do_save(st, 2, [5000])
     reader = CheckpointStore.open(LocalBackend(root, ops=fs, create_root=False), "run", mode="r")
     assert [i.step for i in reader.list_saves()] == [1]
+
+
+def test_gc_removes_stray_temporaries_after_the_grace_period(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import time as _t
+
+    root = tmp_path / "s"
+    st = CheckpointStore.open(str(root), "run", identity=IDENT)
+    do_save(st, 1, [100])
+    save_dir = next((root / "run" / "saves").iterdir())
+    stray = save_dir / f".part9{'.ckpt-tmp-'}abc123"
+    stray.write_bytes(b"half a component")
+    assert st.gc(keep_last=1, grace_seconds=3600).temporaries == []  # young: may be in flight
+    old = _t.time() - 7200
+    os.utime(stray, (old, old))
+    rep = st.gc(keep_last=1, grace_seconds=3600, dry_run=True)
+    assert rep.temporaries and stray.exists()
+    st.gc(keep_last=1, grace_seconds=3600)
+    assert not stray.exists()
+    assert CheckpointStore.open(str(root), "run", mode="r").latest_complete(deep=True).step == 1

@@ -87,6 +87,15 @@ class Backend(abc.ABC):
             return False
         return True
 
+    def stale_temporaries(self, prefix: str, older_than: float) -> list[str]:
+        """Temporary files under ``prefix`` last written before ``older_than``
+        (epoch seconds) that a killed writer left behind. They are never objects.
+        Backends whose uploads are atomic have none."""
+        return []
+
+    def remove_temporary(self, name: str) -> None:  # noqa: B027 - optional hook
+        """Remove one entry returned by :meth:`stale_temporaries`."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients and connections. Idempotent."""
 

@@ -246,6 +246,30 @@ class LocalBackend(Backend):
         except OSError:
             pass
 
+    def stale_temporaries(self, prefix: str, older_than: float) -> list[str]:
+        base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = self._path(base_key) if base_key else self.root
+        out = []
+        if not self.ops.is_dir(top):
+            return out
+        for dirpath, _dirs, files in self.ops.walk(top):
+            for f in files:
+                if TMP_MARK not in f:
+                    continue
+                path = os.path.join(dirpath, f)
+                try:
+                    _size, mtime = self.ops.stat(path)
+                except FileNotFoundError:
+                    continue
+                if mtime < older_than:
+                    out.append(os.path.relpath(path, self.root).replace(os.sep, "/"))
+        return sorted(out)
+
+    def remove_temporary(self, name: str) -> None:
+        if TMP_MARK not in name.rsplit("/", 1)[-1]:
+            raise InvalidInputError(f"{name!r} is not a temporary file")
+        self._unlink_quiet(self._path(name))
+
     # raw access for tests
     def raw_path(self, key: str) -> str:
         return self._path(key)

@@ -214,6 +214,12 @@ def train(
                            storage_options=storage_options)
     if decision.action is Action.STOP:
         say(f"STOPPED {decision.reason}")
+        try:  # the ledger records the refusal; no attempt is registered for a run that may not start
+            CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options).record_event(
+                "budget-exhausted", {"at_start": True, "spent_gpu_hours": spent_before,
+                                     "limit_gpu_hours": budget.limit_gpu_hours})
+        except NotFoundError:
+            pass
         raise BudgetStop(decision.reason)
     if decision.action is Action.NEW_RUN_REQUIRED:
         say(f"REFUSED new-run-required: identity changed ({', '.join(decision.mismatched_fields)})")

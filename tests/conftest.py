@@ -24,7 +24,7 @@ settings.register_profile(
     print_blob=True,
 )
 settings.register_profile(
-    "deep", max_examples=2500, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck),
+    "deep", max_examples=2500, stateful_step_count=60, deadline=None, suppress_health_check=list(HealthCheck),
     print_blob=True,
 )
 settings.load_profile(os.environ.get("CKPT_HYPOTHESIS_PROFILE", "default"))

@@ -82,8 +82,13 @@ BACKEND_FACTORY: Callable[[], Backend] | None = None
 
 
 class StoreMachine(RuleBasedStateMachine):
+    #: invariant checks run (one per step, plus one per example): reported by _run
+    checks = 0
+    examples = 0
+
     def __init__(self) -> None:
         super().__init__()
+        StoreMachine.examples += 1
         assert BACKEND_FACTORY is not None
         self.inner = BACKEND_FACTORY()
         self.model = Model()
@@ -262,6 +267,7 @@ class StoreMachine(RuleBasedStateMachine):
     # -- invariants ----------------------------------------------------------
     @invariant()
     def selection_matches_model(self) -> None:
+        StoreMachine.checks += 1
         r = self._reader()
         sel = r.latest_complete(deep=True, explain=True)
         exp = self.model.expected_latest()
@@ -304,10 +310,13 @@ def _run(factory: Callable[[], Backend], examples: int | None = None, steps: int
         kw["max_examples"] = examples
     if steps is not None and current.stateful_step_count > steps:
         kw["stateful_step_count"] = steps
+    StoreMachine.checks = StoreMachine.examples = 0
     try:
         run_state_machine_as_test(StoreMachine, settings=settings(current, **kw))
     finally:
         BACKEND_FACTORY = None
+        steps = StoreMachine.checks - StoreMachine.examples
+        print(f"\nstate machine: {steps} steps in {StoreMachine.examples} examples")
 
 
 @pytest.mark.backends("memory")

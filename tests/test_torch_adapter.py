@@ -269,3 +269,18 @@ def test_torchdata_stateful_dataloader_is_supported() -> None:
     dl2 = StatefulDataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1))
     restore_state(st, st.latest_complete(), {"loader": dl2})
     assert [b.tolist() for b in dl2] == rest
+
+
+def test_grad_scaler_and_scheduler_state_roundtrip() -> None:
+    m, o, s = tiny()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    scaler.scale(torch.ones(1))  # materialize the scale
+    scaler.update(512.0)
+    train_steps(m, o, s, 3)
+    st = CheckpointStore.open(MemoryBackend(), "r", identity=IDENT)
+    save_state(st, 3, {"scaler": scaler, "scheduler": s, "optimizer": o, "model": m})
+    m2, o2, s2 = tiny(seed=8)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=7)
+    restore_state(st, st.latest_complete(), {"scaler": scaler2, "scheduler": s2, "optimizer": o2, "model": m2})
+    assert scaler2.state_dict() == scaler.state_dict()
+    assert s2.state_dict() == s.state_dict()

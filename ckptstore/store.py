@@ -651,8 +651,10 @@ class CheckpointStore:
     # -------------------------------------------------------------- listing
     def list_saves(self, *, deep: bool = False, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> list[SaveInfo]:
         """Every save of the run (committed or not), newest first, with its state."""
-        scan = _Scan(self)
-        latest = self._select(deep).latest
+        return self._list_saves(_Scan(self), deep, grace_seconds)
+
+    def _list_saves(self, scan: _Scan, deep: bool, grace_seconds: float) -> list[SaveInfo]:
+        latest: SaveRef | None = None  # the first commit that verifies, in candidate order
         out: list[SaveInfo] = []
         committed_ids: set[str] = set()
         seen_steps: set[int] = set()
@@ -663,6 +665,8 @@ class CheckpointStore:
                 ref = None
             if ref is not None:
                 seen_steps.add(step)
+                if latest is None:
+                    latest = ref
             if sid:
                 committed_ids.add(sid)
             objs = scan.save_objects.get(sid or "", {})
@@ -738,8 +742,8 @@ class CheckpointStore:
             raise InvalidInputError("keep_last must be at least 1: the newest complete save is never deleted")
         if grace_seconds < 0:
             raise InvalidInputError("grace_seconds must be >= 0")
-        infos = self.list_saves(grace_seconds=grace_seconds)
         scan = _Scan(self)
+        infos = self._list_saves(scan, False, grace_seconds)
         plan = plan_gc(infos, keep_last=keep_last)
         actions: list[GcAction] = []
         for info, reason in plan.delete:

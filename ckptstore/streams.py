@@ -78,8 +78,6 @@ def iter_chunks(data: Any, chunk: int = CHUNK) -> Iterator[memoryview]:
             yield mv[i : i + chunk]
         return
     if hasattr(data, "read"):
-        if getattr(data, "seekable", lambda: False)():
-            pass
         while True:
             block = data.read(chunk)
             if block is None:

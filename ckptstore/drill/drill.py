@@ -74,6 +74,7 @@ class Drill:
             "--budget-gpu-hours", str(budget or self.cfg.budget_gpu_hours),
             "--gpu-hours-per-step", str(self.cfg.gpu_hours_per_step),
             "--restart-gpu-hours", str(self.cfg.restart_gpu_hours),
+            *(["--storage-options-json", json.dumps(self.cfg.storage_options)] if self.cfg.storage_options else []),
             *extra,
         ]
 

@@ -148,7 +148,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     store = _open(args)
-    rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply)
+    rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply, deep=not args.shallow)
     obj = {
         "dry_run": rep.dry_run,
         "kept": rep.kept,
@@ -275,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-last", type=int, default=2)
     sp.add_argument("--grace", type=float, default=3600.0, help="never delete an uncommitted save younger than this")
     sp.add_argument("--apply", action="store_true", help="really delete")
+    sp.add_argument("--shallow", action="store_true", help="check sizes only (default: re-hash before deleting)")
     sp.set_defaults(fn=cmd_gc)
 
     sp = sub.add_parser("inspect", help="a run's identity, attempts and a save's manifest")

@@ -722,7 +722,12 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------- gc
     def gc(
-        self, *, keep_last: int = 2, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False
+        self,
+        *,
+        keep_last: int = 2,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        dry_run: bool = False,
+        deep: bool = True,
     ) -> GcReport:
         """Delete what no future resume can need, keeping invariant 4.
 
@@ -730,6 +735,10 @@ class CheckpointStore:
         complete saves; any uncommitted save whose last write is younger than
         ``grace_seconds`` (it may be in flight); corrupt commits (evidence for an
         operator; delete them by hand); records of a newer protocol version.
+        With ``deep`` (the default) every commit is re-hashed before anything is
+        deleted, so a save with an undetected bit flip never counts as the
+        newest complete one and the last good save behind it survives; this
+        reads every committed byte. ``deep=False`` checks sizes only.
         Deleted: older complete saves, superseded saves, uncommitted saves
         older than the grace period, and temporary files that killed writers
         left behind (local disk) older than the grace period. A committed save loses its commit record
@@ -743,7 +752,7 @@ class CheckpointStore:
         if grace_seconds < 0:
             raise InvalidInputError("grace_seconds must be >= 0")
         scan = _Scan(self)
-        infos = self._list_saves(scan, False, grace_seconds)
+        infos = self._list_saves(scan, deep, grace_seconds)
         plan = plan_gc(infos, keep_last=keep_last)
         actions: list[GcAction] = []
         for info, reason in plan.delete:

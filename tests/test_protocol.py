@@ -548,3 +548,15 @@ def test_large_component_hash_matches(open_store) -> None:  # type: ignore[no-un
     assert entry.blake3 == blake3.blake3(data).hexdigest()
     ref = st.latest_complete(deep=True)
     assert st.read(ref, "big") == data
+
+
+def test_gc_keeps_the_good_save_behind_an_undetected_bit_flip(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
+    st = open_store()
+    good = save(st, 1)
+    bad = save(st, 2)
+    b = backend_factory()
+    data = bytearray(blob(2, "model"))
+    data[10] ^= 0x04  # same size: only a re-hash sees it
+    b.put(component_key(bad, "model"), [bytes(data)])
+    st.gc(keep_last=1, grace_seconds=0)
+    assert reader(backend_factory).latest_complete(deep=True).save_id == good.save_id

@@ -290,7 +290,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def acknowledged_commits_stay_selectable(self) -> None:
-        infos = self._reader().list_saves()
+        infos = self._reader().list_saves(deep=True)
         committed = {(i.step, i.attempt) for i in infos if i.state is SaveState.COMMITTED}
         for c in self.model.selectable():
             assert (c.step, c.attempt) in committed, f"acknowledged commit {(c.step, c.attempt)} not selectable"

@@ -906,6 +906,19 @@ class SaveWriter:
             except Exception:  # noqa: BLE001 - best effort; gc removes leftovers
                 pass
 
+    def _verify_inventory(self, comps: dict[str, P.ComponentEntry]) -> None:
+        """Every component is there with the size we wrote (read-after-write)."""
+        store = self.store
+        prefix = P.save_prefix(store.run_id, self.save_id)
+        listed = {o.key[len(prefix) :]: o for o in store._retry.call(lambda: store.backend.list(prefix))}
+        for n, c in comps.items():
+            o = listed.get(n)
+            if o is None or o.size != c.size:
+                raise SaveAbortedError(
+                    f"save of step {self.step}: component {n!r} did not land intact "
+                    f"({'missing' if o is None else f'{o.size} bytes, wrote {c.size}'}); nothing was published"
+                )
+
     def commit(self) -> SaveRef:
         """Verify the inventory and publish. Called by a clean ``with`` exit."""
         if self._closed:
@@ -926,20 +939,11 @@ class SaveWriter:
             )
         if not comps:
             raise SaveAbortedError(f"save of step {self.step} has no components; nothing was published")
-        # Inventory: every component is there with the size we wrote (read-after-write).
-        prefix = P.save_prefix(store.run_id, self.save_id)
-        listed = {o.key[len(prefix) :]: o for o in store._retry.call(lambda: store.backend.list(prefix))}
-        for n, c in comps.items():
-            o = listed.get(n)
-            if o is None or o.size != c.size:
-                self._abort()
-                raise SaveAbortedError(
-                    f"save of step {self.step}: component {n!r} did not land intact "
-                    f"({'missing' if o is None else f'{o.size} bytes, wrote {c.size}'}); nothing was published"
-                )
         try:
+            self._verify_inventory(comps)
             store._check_not_superseded(self.step, committed=False)
-        except SupersededError:
+        except BaseException:
+            # nothing was published: remove what this save wrote (best effort)
             self._abort()
             raise
         record = P.CommitRecord(

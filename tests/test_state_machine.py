@@ -285,8 +285,8 @@ class StoreMachine(RuleBasedStateMachine):
                 assert c is not None and self.model.superseded(c)
             elif s.reason in (SkipReason.MISSING_COMPONENT, SkipReason.SIZE_MISMATCH, SkipReason.HASH_MISMATCH):
                 assert c is not None and c.corrupted
-            elif s.reason is SkipReason.NO_COMMIT:
-                assert not self.inner.exists(P.commit_key(RUN, s.step, s.attempt)) or c is None
+            elif s.reason is SkipReason.NO_COMMIT:  # no commit record names this save
+                assert s.save_id not in {c.save_id for c in self.model.commits.values()}
 
     @invariant()
     def acknowledged_commits_stay_selectable(self) -> None:

@@ -203,7 +203,7 @@ class CheckpointStore:
         if isinstance(resume_from, int):
             P.validate_step(resume_from)
         self._retry = retry or RetryPolicy()
-        self._lock = threading.Lock()
+        self._attempt_cache: dict[int, P.AttemptRecord] = {}
         self.writer_id = uuid.uuid4().hex
         self.attempt: P.AttemptRecord | None = None
         #: The save this attempt resumed from (``mode="w"`` with resume_from="latest").
@@ -321,13 +321,20 @@ class CheckpointStore:
 
     # ------------------------------------------------------------- attempts
     def _load_attempts(self) -> dict[int, P.AttemptRecord]:
+        """Every attempt record: one LIST, and a GET only for numbers not seen
+        before. Attempt records are created once and never change, so decoded
+        ones are cached; the fences on every save stay one listing."""
         out: dict[int, P.AttemptRecord] = {}
         for o in self._retry.call(lambda: self.backend.list(P.attempts_prefix(self.run_id))):
             n = P.parse_attempt_name(o.key.rsplit("/", 1)[-1])
             if n is None:
                 continue
+            cached = self._attempt_cache.get(n)
+            if cached is not None:
+                out[n] = cached
+                continue
             try:
-                out[n] = P.AttemptRecord.decode(self._get(o.key), self._where(o.key))
+                out[n] = self._attempt_cache[n] = P.AttemptRecord.decode(self._get(o.key), self._where(o.key))
             except NotFoundError:
                 continue
             except CorruptionError:

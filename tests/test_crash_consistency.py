@@ -1,9 +1,11 @@
 """Crash consistency, enumerated: every I/O boundary of a save, and every state a
 power loss may leave on the local disk.
 
-After every crash: what is selected verifies byte for byte; the store is
-entirely before the save (the previous save selected) or entirely after it
-(the new save selected); an acknowledged save is never lost.
+After every crash: no commit record exists without all its bytes (invariant 1,
+checked raw through the backend: the selection below would quietly skip such a
+commit); what is selected verifies byte for byte; the store is entirely before
+the save (the previous save selected) or entirely after it (the new save
+selected); an acknowledged save is never lost.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.testing.faults import Crashed, FaultyBackend
+from ckptstore.testing.invariants import assert_invariant_1, invariant_1_violations
 from ckptstore.testing.simfs import SimFS
 
 IDENT = {"data_digest": "d", "code_digest": "c"}
@@ -82,6 +85,7 @@ def crash_at_every_operation(backend_factory, backend_kind, k) -> None:  # type:
             acked = True
         except Crashed:
             pass
+        assert_invariant_1(inner, run, f"crash at op {n}\n{fb.format_trace()}")
         reader = CheckpointStore.open(inner, run, mode="r")
         outcomes[check_before_or_after(reader, sizes, acked, f"crash at op {n}\n{fb.format_trace()}")] += 1
     assert outcomes["before"] >= 1 and outcomes["after"] >= 1
@@ -118,7 +122,10 @@ def power_loss_matrix(k: int, tmp_path, make_backend=LocalBackend):  # type: ign
             pass
         for desc, after in fs.crash_states(limit=256, seed=n):
             states += 1
-            reader = CheckpointStore.open(LocalBackend(root, ops=after, create_root=False), "run", mode="r")
+            after_backend = LocalBackend(root, ops=after, create_root=False)
+            for bad in invariant_1_violations(after_backend, "run"):
+                failures.append(f"syscall {n} ({fs.log[-1]}): {desc}: invariant 1: {bad}")
+            reader = CheckpointStore.open(after_backend, "run", mode="r")
             try:
                 check_before_or_after(reader, sizes, acked, f"power loss at syscall {n}: {desc}")
             except AssertionError as exc:

@@ -19,6 +19,10 @@ Faults:
 * ``lose_ack(n)``: the write/create lands, then the call raises
   :class:`TransientError` (the reply was lost).
 * ``slow(n, seconds)``: the call sleeps first.
+* ``drop_put(n)``: a put is acknowledged but **nothing lands** (the bytes are
+  consumed, the call returns normally, the object does not exist).
+* ``short_put(n, missing)``: a put is acknowledged but the object holds its
+  first ``size - missing`` bytes only (a server or cache that lost the tail).
 """
 
 from __future__ import annotations
@@ -110,6 +114,17 @@ class FaultyBackend(Backend):
         self.faults.append(Fault("lose_ack", at=n, predicate=when))
         return self
 
+    def drop_put(self, n: int | None = None, when: Callable[[str, str], bool] | None = None) -> FaultyBackend:
+        """Acknowledge a put without storing anything."""
+        self.faults.append(Fault("drop", at=n, predicate=when))
+        return self
+
+    def short_put(self, n: int | None = None, missing: int = 1,
+                  when: Callable[[str, str], bool] | None = None) -> FaultyBackend:
+        """Acknowledge a put but store it without its last ``missing`` bytes."""
+        self.faults.append(Fault("short", at=n, predicate=when, keep=missing))
+        return self
+
     def slow(self, n: int | None, seconds: float, when: Callable[[str, str], bool] | None = None) -> FaultyBackend:
         self.faults.append(Fault("slow", at=n, predicate=when, seconds=seconds, persistent=n is None))
         return self
@@ -156,7 +171,7 @@ class FaultyBackend(Backend):
             if chosen is not None and chosen.kind == "slow":
                 time.sleep(chosen.seconds)
                 chosen = None
-            if chosen is not None and chosen.kind == "slow_stream" and op != "put":
+            if chosen is not None and chosen.kind in ("slow_stream", "drop", "short") and op != "put":
                 chosen = None
             if chosen is not None:
                 chosen.fired = True
@@ -229,6 +244,14 @@ class FaultyBackend(Backend):
         if f.kind == "flip":
             self.inner.put(key, [self._flip(data, f.offset)])
             self._end(n, "put", key, "ok (bit flipped in flight)")
+            return
+        if f.kind == "drop":
+            self._end(n, "put", key, f"ACKED, {len(data)}B DROPPED (nothing stored)")
+            return
+        if f.kind == "short":
+            kept = data[: max(0, len(data) - f.keep)]
+            self.inner.put(key, [kept])
+            self._end(n, "put", key, f"ACKED, only {len(kept)}/{len(data)}B stored")
             return
         if f.kind == "lose_ack":
             self.inner.put(key, [data])

@@ -1,0 +1,157 @@
+"""Raw invariant checks for fault-injection tests: read the store through the
+:class:`~ckptstore.backends.base.Backend` interface only, never through the
+store's own selection (which, by design, quietly skips a broken commit).
+
+Invariant 1 (PROTOCOL.md §6, "complete before visible"): every commit record
+in a run names components that are *all* present with exactly the recorded
+size and BLAKE3 digest. ``latest_complete()`` falls back past a commit whose
+bytes are missing, so a suite that only looks at the selection cannot see a
+commit published before its components landed, or a gc that deleted the
+components before the record. These helpers can.
+
+The record layout is read as plain JSON (keys documented in PROTOCOL.md §1–2)
+so the checks do not depend on the store's internal record classes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+from ..backends.base import Backend
+from ..errors import NotFoundError
+
+_COMMIT_NAME = re.compile(r"^(\d{12})\.(\d{8})\.json$")
+_ATTEMPT_NAME = re.compile(r"^(\d{8})\.json$")
+
+
+@dataclass(frozen=True)
+class RawCommit:
+    """One commit record as stored: its key, (step, attempt) and decoded JSON."""
+
+    key: str
+    step: int
+    attempt: int
+    record: dict[str, Any] | None  # None: unreadable
+    problem: str = ""
+
+    @property
+    def save_id(self) -> str | None:
+        sid = (self.record or {}).get("save_id")
+        return sid if isinstance(sid, str) else None
+
+
+def raw_commits(backend: Backend, run_id: str) -> list[RawCommit]:
+    """Every commit record of ``run_id``, oldest step first, read raw."""
+    out: list[RawCommit] = []
+    prefix = f"{run_id}/commits/"
+    for o in backend.list(prefix):
+        m = _COMMIT_NAME.match(o.key[len(prefix) :])
+        if m is None:
+            continue
+        step, attempt = int(m.group(1)), int(m.group(2))
+        try:
+            data = backend.get(o.key)
+        except NotFoundError:
+            continue  # deleted between the listing and the read (gc running)
+        try:
+            rec = json.loads(data.decode("utf-8"))
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except (UnicodeDecodeError, ValueError) as exc:
+            out.append(RawCommit(o.key, step, attempt, None, f"unreadable record: {exc}"))
+            continue
+        out.append(RawCommit(o.key, step, attempt, rec))
+    out.sort(key=lambda c: (c.step, c.attempt))
+    return out
+
+
+def _digest(backend: Backend, key: str) -> tuple[int, str]:
+    data = backend.get(key)
+    return len(data), blake3.blake3(data).hexdigest()
+
+
+def invariant_1_violations(backend: Backend, run_id: str) -> list[str]:
+    """Invariant 1, checked raw: for every commit record of the run, every
+    component it lists exists with the recorded size and BLAKE3 digest.
+
+    Returns one line per violation (empty: the invariant holds). A record of a
+    newer protocol version is not judged (it may use another layout); an
+    unreadable record is a violation (a commit is created atomically, so a
+    torn record means the commit primitive failed).
+    """
+    problems: list[str] = []
+    for c in raw_commits(backend, run_id):
+        where = f"commit {c.key}"
+        if c.record is None:
+            problems.append(f"{where}: {c.problem}")
+            continue
+        version = c.record.get("protocol_version")
+        if isinstance(version, int) and version > 1:
+            continue
+        comps = c.record.get("components")
+        sid = c.save_id
+        if not isinstance(comps, Mapping) or not comps or sid is None:
+            problems.append(f"{where}: record has no save_id or no components")
+            continue
+        for name, entry in sorted(comps.items()):
+            key = f"{run_id}/saves/{sid}/{name}"
+            try:
+                size, digest = _digest(backend, key)
+            except NotFoundError:
+                problems.append(f"{where}: component {name!r} is MISSING ({key})")
+                continue
+            want_size = entry.get("size") if isinstance(entry, Mapping) else None
+            want_digest = entry.get("blake3") if isinstance(entry, Mapping) else None
+            if size != want_size:
+                problems.append(f"{where}: component {name!r} has {size} bytes, the record says {want_size}")
+            elif digest != want_digest:
+                problems.append(f"{where}: component {name!r} does not match its recorded BLAKE3")
+    return problems
+
+
+def assert_invariant_1(backend: Backend, run_id: str, context: str = "") -> None:
+    """Raise AssertionError listing every commit without all its bytes."""
+    bad = invariant_1_violations(backend, run_id)
+    if bad:
+        head = f"invariant 1 violated (a commit record without all its bytes){': ' + context if context else ''}"
+        raise AssertionError(head + "\n  " + "\n  ".join(bad))
+
+
+def commits_of_step(backend: Backend, run_id: str, step: int) -> list[RawCommit]:
+    """Every commit record of one step (any attempt)."""
+    return [c for c in raw_commits(backend, run_id) if c.step == step]
+
+
+def raw_attempts(backend: Backend, run_id: str) -> dict[int, dict[str, Any]]:
+    """Every attempt record of the run, by number, read raw."""
+    out: dict[int, dict[str, Any]] = {}
+    prefix = f"{run_id}/attempts/"
+    for o in backend.list(prefix):
+        m = _ATTEMPT_NAME.match(o.key[len(prefix) :])
+        if m is None:
+            continue
+        try:
+            rec = json.loads(backend.get(o.key).decode("utf-8"))
+        except (NotFoundError, UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(rec, dict):
+            out[int(m.group(1))] = rec
+    return out
+
+
+def save_objects(backend: Backend, run_id: str) -> dict[str, list[str]]:
+    """Objects under ``saves/``, grouped by save ID."""
+    out: dict[str, list[str]] = {}
+    prefix = f"{run_id}/saves/"
+    for o in backend.list(prefix):
+        rest = o.key[len(prefix) :]
+        if "/" in rest:
+            sid, name = rest.split("/", 1)
+            out.setdefault(sid, []).append(name)
+    return out

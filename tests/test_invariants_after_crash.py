@@ -272,3 +272,43 @@ def test_processes_racing_to_open_get_distinct_attempts_and_fencing_holds(
     assert_invariant_1(backend, run, "after the open race")
     latest = CheckpointStore.open(backend, run, mode="r").latest_complete(deep=True)
     assert latest is not None and (latest.step, latest.attempt) == (2, top["attempt"])
+
+
+# ------------------------------------------------ a newer attempt mid-commit
+
+
+class RegisterDuringCommit(FaultyBackend):
+    """Runs ``hook`` once, just before the first commit record is created: a
+    replacement process registers while this writer is past its pre-commit fence."""
+
+    hook: Callable[[], None] | None = None
+
+    def create(self, key: str, data: bytes) -> bool:
+        hook, self.hook = self.hook, None
+        if hook is not None and "/commits/" in key:
+            hook()
+        elif hook is not None:
+            self.hook = hook
+        return super().create(key, data)
+
+
+def test_attempt_registered_during_the_commit_fences_it(backend: Backend) -> None:
+    """The post-commit fence (PROTOCOL §4.3 step 7): the record landed, but a
+    newer attempt resumed from before its step, so the save is never
+    acknowledged and never selected; the newer attempt commits the step again."""
+    from ckptstore import SupersededError
+
+    rb = RegisterDuringCommit(backend)
+    old = CheckpointStore.open(rb, "run", identity=IDENT, retry=FAST)
+    do_save(old, 1)
+    newer: list[CheckpointStore] = []
+    rb.hook = lambda: newer.append(CheckpointStore.open(backend, "run", identity=IDENT, retry=FAST))
+    with pytest.raises(SupersededError) as ei:
+        do_save(old, 2)
+    assert ei.value.committed, "the record landed: the error must say so"
+    assert [c.attempt for c in commits_of_step(backend, "run", 2)] == [1]
+    assert_invariant_1(backend, "run", "fenced commit")
+    check_selected(backend, 1, "a fenced commit was selected")
+    do_save(newer[0], 2)
+    check_selected(backend, 2, "the newer attempt's commit")
+    assert_invariant_1(backend, "run", "after the newer commit")

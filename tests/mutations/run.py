@@ -1,0 +1,304 @@
+"""The mutation check: break the core on purpose and prove the suite turns red.
+
+    .venv/bin/python tests/mutations/run.py            # every mutation
+    .venv/bin/python tests/mutations/run.py NAME ...   # only these
+    .venv/bin/python tests/mutations/run.py --list
+
+For each entry of ``MUTATIONS`` the script copies the repository (tracked and
+untracked, not ignored, files) to a scratch directory, applies the mutation's
+text edits there, and runs the tests named in ``must_fail`` against the copy.
+The mutation is *caught* when every named test node has at least one failing
+case. Before any mutation, the same tests run on an unmodified copy and must
+pass (otherwise a "caught" mutation would prove nothing).
+
+An edit is a unique snippet of the current source and its replacement. A
+snippet that is missing or occurs more than once fails the run loudly
+("retarget me"): the core is being refactored, and a mutation that silently
+stops applying would report nothing. To retarget after a refactor, change only
+``file`` and ``snippet`` in the table below; the rule each entry breaks is in
+its ``rule``.
+
+Not part of the default test command (it runs the named tests once per
+mutation). Measured wall time: see the README's reliability section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTEST_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    rule: str
+    file: str
+    edits: tuple[tuple[str, str], ...]  # (unique snippet of the current source, replacement)
+    must_fail: tuple[str, ...]  # pytest node IDs (a parametrized test's name covers all its cases)
+    backends: str = "memory,local"  # CKPT_BACKENDS for the run
+    survivor: bool = False  # one of the round-1 survivors
+
+
+T_INV = "tests/test_invariants_after_crash.py"
+T_WIRE = "tests/test_wire_faults.py"
+T_PROTO = "tests/test_protocol.py"
+T_CRASH = "tests/test_crash_consistency.py"
+T_OUT = "tests/test_commit_outcomes.py"
+STORE = "ckptstore/store.py"
+
+MUTATIONS: list[Mutation] = [
+    # ---- the round-1 survivors
+    Mutation(
+        "inventory-removed",
+        "the read-after-write inventory runs before the commit (PROTOCOL §4.3 step 4)",
+        STORE,
+        (("            self._verify_inventory(comps)\n            store._check_not_superseded(self.step, committed=False)",
+          "            store._check_not_superseded(self.step, committed=False)"),),
+        (f"{T_INV}::test_acknowledged_put_that_is_not_there_is_never_committed",),
+        survivor=True,
+    ),
+    Mutation(
+        "inventory-after-commit",
+        "the inventory is checked before, not after, the commit record is created",
+        STORE,
+        (("            self._verify_inventory(comps)\n            store._check_not_superseded(self.step, committed=False)",
+          "            store._check_not_superseded(self.step, committed=False)"),
+         ("        try:\n            store._check_not_superseded(self.step, committed=True)",
+          "        self._verify_inventory(comps)\n        try:\n            store._check_not_superseded(self.step, committed=True)")),
+        (f"{T_INV}::test_acknowledged_put_that_is_not_there_is_never_committed",),
+        survivor=True,
+    ),
+    Mutation(
+        "gc-components-before-record",
+        "gc deletes a save's commit record before its components (PROTOCOL §4.5 step 3)",
+        STORE,
+        (("""            if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
+                actions.append(GcAction(P.commit_key(self.run_id, info.step, info.attempt), reason))
+            for name in sorted(scan.save_objects.get(info.save_id, {})):
+                actions.append(GcAction(P.component_key(self.run_id, info.save_id, name), reason))""",
+          """            for name in sorted(scan.save_objects.get(info.save_id, {})):
+                actions.append(GcAction(P.component_key(self.run_id, info.save_id, name), reason))
+            if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
+                actions.append(GcAction(P.commit_key(self.run_id, info.step, info.attempt), reason))"""),),
+        (f"{T_INV}::test_crash_at_every_operation_of_gc",),
+        survivor=True,
+    ),
+    Mutation(
+        "attempt-plain-put",
+        "attempt numbers are registered with create-if-absent (PROTOCOL §4.2 step 3), never a plain put",
+        STORE,
+        (("""            if not self._create(P.attempt_key(self.run_id, below), rec.encode(), what="attempt record"):
+                continue  # another process took this number; try the next one""",
+          """            self.backend.put(P.attempt_key(self.run_id, below), [rec.encode()])"""),),
+        (f"{T_INV}::test_processes_racing_to_open_get_distinct_attempts_and_fencing_holds",),
+        backends="local",
+        survivor=True,
+    ),
+    # ---- classic breaks
+    Mutation(
+        "commit-plain-put",
+        "the commit record is created with create-if-absent, never overwritten (invariant 2)",
+        STORE,
+        (('        if not store._create(key, data, what="commit record"):',
+          '        store.backend.put(key, [data])\n        if False:'),),
+        (f"{T_PROTO}::test_threads_racing_one_step_in_one_attempt",
+         f"{T_PROTO}::test_second_commit_of_same_step_in_attempt_refused"),
+    ),
+    Mutation(
+        "lost-ack-read-back-is-conflict",
+        "an 'already exists' after a lost reply is settled by reading the record back (§4.3 step 6)",
+        STORE,
+        (("            return existing == data\n", "            return False\n"),),
+        (f"{T_OUT}::test_lost_ack_on_commit_commits_exactly_once",
+         f"{T_WIRE}::test_lost_acknowledgement_of_the_commit_is_real_and_settled"),
+        backends="memory,moto,fakegcs",
+    ),
+    Mutation(
+        "no-pre-commit-fence",
+        "a superseded writer publishes nothing (§4.3 step 5)",
+        STORE,
+        (("            self._verify_inventory(comps)\n            store._check_not_superseded(self.step, committed=False)\n",
+          "            self._verify_inventory(comps)\n"),),
+        (f"{T_INV}::test_processes_racing_to_open_get_distinct_attempts_and_fencing_holds",),
+        backends="local",
+    ),
+    Mutation(
+        "no-post-commit-fence",
+        "a commit that a newer attempt fenced off is not acknowledged (§4.3 step 7)",
+        STORE,
+        (("        try:\n            store._check_not_superseded(self.step, committed=True)\n",
+          "        try:\n            pass\n"),),
+        (f"{T_INV}::test_attempt_registered_during_the_commit_fences_it",),
+    ),
+    Mutation(
+        "selection-ignores-sizes",
+        "selection checks every component's size (§4.4 step 3)",
+        STORE,
+        (("            if size != comp.size:\n", "            if False:\n"),),
+        (f"{T_PROTO}::test_damaged_newest_falls_back_with_reason",),
+    ),
+    Mutation(
+        "selection-ignores-digests",
+        "deep selection re-hashes every byte (§4.4 step 3)",
+        STORE,
+        (("                if digest != comp.blake3:\n", "                if False:\n"),),
+        (f"{T_OUT}::test_bit_flip_in_flight_is_caught_before_commit_or_at_read",),
+    ),
+    Mutation(
+        "selection-ignores-fencing",
+        "a superseded commit is never selected (§5)",
+        STORE,
+        (("        if later is not None:\n            return None, [(SkipReason.SUPERSEDED",
+          "        if False:\n            return None, [(SkipReason.SUPERSEDED"),),
+        (f"{T_PROTO}::test_zombie_commit_that_slipped_through_is_superseded",),
+    ),
+    Mutation(
+        "gc-keeps-too-few",
+        "gc keeps the keep_last newest complete saves, always the selected one (invariant 4)",
+        "ckptstore/gc.py",
+        (("            if complete_seen <= keep_last:", "            if complete_seen < keep_last:"),),
+        (f"{T_PROTO}::test_gc_keeps_newest_complete_and_in_flight", f"{T_INV}::test_crash_at_every_operation_of_gc"),
+    ),
+    Mutation(
+        "local-put-no-file-fsync",
+        "a component's temp file is fsynced before its rename (§7)",
+        "ckptstore/backends/local.py",
+        (("                self.ops.write(fd, c)\n            self.ops.fsync(fd)\n",
+          "                self.ops.write(fd, c)\n"),),
+        (f"{T_CRASH}::test_power_loss_at_every_syscall_local",),
+    ),
+    Mutation(
+        "local-put-no-dir-fsync",
+        "the directory is fsynced after a component's rename (§7)",
+        "ckptstore/backends/local.py",
+        (("            self.ops.rename(tmp, final)\n            self.ops.fsync_dir(os.path.dirname(final))\n",
+          "            self.ops.rename(tmp, final)\n"),),
+        (f"{T_CRASH}::test_power_loss_at_every_syscall_local",),
+    ),
+    Mutation(
+        "s3-create-unconditional",
+        "the S3 commit is a PutObject with If-None-Match: * (§7.1)",
+        "ckptstore/backends/objectstore.py",
+        (('Body=data, IfNoneMatch="*")', "Body=data)"),),
+        ("tests/test_backend_conformance.py::TestBackendConformance::test_create_if_absent",),
+        backends="moto",
+    ),
+]
+
+
+def copy_repo(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for rel in files:
+        if not rel:
+            continue
+        src = ROOT / rel
+        if not src.is_file():
+            continue  # deleted in the work tree
+        out = dst / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, out)
+
+
+def apply(m: Mutation, scratch: Path) -> None:
+    path = scratch / m.file
+    text = path.read_text()
+    for snippet, replacement in m.edits:
+        n = text.count(snippet)
+        if n != 1:
+            raise SystemExit(
+                f"mutation {m.name!r}: snippet found {n} times in {m.file} (must be exactly once); "
+                f"retarget it to the current code:\n{snippet}"
+            )
+        text = text.replace(snippet, replacement)
+    path.write_text(text)
+
+
+def run_pytest(scratch: Path, nodes: tuple[str, ...], backends: str) -> tuple[int, str]:
+    env = {**os.environ, "CKPT_BACKENDS": backends, "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPATH", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line", *nodes]
+    p = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=PYTEST_TIMEOUT_S)
+    return p.returncode, p.stdout + p.stderr
+
+
+def failed_nodes(output: str) -> list[str]:
+    return re.findall(r"^FAILED (\S+)", output, flags=re.M)
+
+
+def check_imports_scratch(scratch: Path) -> None:
+    p = subprocess.run([sys.executable, "-c", "import ckptstore, sys; sys.stdout.write(ckptstore.__file__)"],
+                       cwd=scratch, capture_output=True, text=True, check=True)
+    if not Path(p.stdout).resolve().is_relative_to(scratch.resolve()):
+        raise SystemExit(f"the scratch copy does not import its own ckptstore (got {p.stdout}); aborting")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        print(f"unknown mutations: {sorted(unknown)}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:32} {'survivor ' if m.survivor else ''}{m.file}: {m.rule}")
+        return 0
+    t0 = time.monotonic()
+    results: list[tuple[Mutation, bool, str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="ckpt-mutations-") as tmp:
+        base = Path(tmp) / "baseline"
+        copy_repo(base)
+        check_imports_scratch(base)
+        # baseline: every named test passes on the unmodified code, per backend set
+        groups: dict[str, set[str]] = {}
+        for m in chosen:
+            groups.setdefault(m.backends, set()).update(m.must_fail)
+        for backends, nodes in groups.items():
+            rc, out = run_pytest(base, tuple(sorted(nodes)), backends)
+            if rc != 0:
+                print(out[-4000:])
+                print(f"BASELINE FAILED (CKPT_BACKENDS={backends}): the named tests must pass on the unmodified code")
+                return 1
+        print(f"baseline: the named tests pass on the unmodified code ({time.monotonic() - t0:.0f}s)", flush=True)
+        for m in chosen:
+            t1 = time.monotonic()
+            scratch = Path(tmp) / m.name
+            copy_repo(scratch)
+            apply(m, scratch)
+            rc, out = run_pytest(scratch, m.must_fail, m.backends)
+            failed = failed_nodes(out)
+            missed = [n for n in m.must_fail if not any(f == n or f.startswith(n + "[") for f in failed)]
+            caught = rc == 1 and not missed
+            if caught:
+                detail = f"{len(failed)} failing case(s), e.g. {failed[0]}"
+            elif rc not in (0, 1):
+                detail = f"pytest exited {rc} (not a test failure):\n{out[-2000:]}"
+            else:
+                detail = f"still green: {', '.join(missed)}"
+            results.append((m, caught, detail, time.monotonic() - t1))
+            print(f"{'CAUGHT ' if caught else 'SURVIVED'} {m.name:32} {time.monotonic() - t1:5.0f}s  {detail}",
+                  flush=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+    survived = [m.name for m, ok, _, _ in results if not ok]
+    print(f"\n{len(results) - len(survived)}/{len(results)} mutations caught in {time.monotonic() - t0:.0f}s"
+          + (f"; SURVIVED: {', '.join(survived)}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

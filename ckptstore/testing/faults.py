@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-
 from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import StoreUnavailableError, TransientError
 

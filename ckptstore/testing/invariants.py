@@ -61,10 +61,11 @@ def raw_commits(backend: Backend, run_id: str) -> list[RawCommit]:
             continue  # deleted between the listing and the read (gc running)
         try:
             rec = json.loads(data.decode("utf-8"))
-            if not isinstance(rec, dict):
-                raise ValueError("not a JSON object")
         except (UnicodeDecodeError, ValueError) as exc:
             out.append(RawCommit(o.key, step, attempt, None, f"unreadable record: {exc}"))
+            continue
+        if not isinstance(rec, dict):
+            out.append(RawCommit(o.key, step, attempt, None, "unreadable record: not a JSON object"))
             continue
         out.append(RawCommit(o.key, step, attempt, rec))
     out.sort(key=lambda c: (c.step, c.attempt))

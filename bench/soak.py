@@ -44,13 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from ckptstore import CheckpointStore
+from ckptstore.backends.base import Backend
+from ckptstore.testing.invariants import invariant_1_violations
+from ckptstore.urls import backend_from_url
 
-from ckptstore import CheckpointStore  # noqa: E402
-from ckptstore.backends.base import Backend  # noqa: E402
-from ckptstore.testing.invariants import invariant_1_violations  # noqa: E402
-from ckptstore.urls import backend_from_url  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 IDENT = {"data_digest": "soak", "code_digest": "soak"}
 SIZES = {"model": 200_000, "optim": 400_000, "extra/rng": 3_000}
@@ -160,6 +159,8 @@ def judge(backend: Backend, run: str, acked: int, begun: int, context: str, c: C
 def location(kind: str, tmp: str) -> tuple[str, dict[str, Any], Any]:
     if kind == "local":
         return os.path.join(tmp, "store"), {}, None
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from backends.servers import BUCKET, SERVERS
 
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")

@@ -167,7 +167,8 @@ def location(kind: str, tmp: str) -> tuple[str, dict[str, Any], Any]:
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     srv = SERVERS[kind]().start()
     scheme = "gs" if kind == "fakegcs" else "s3"
-    return f"{scheme}://{BUCKET}/soak-{uuid.uuid4().hex[:8]}", srv.storage_options(), srv
+    opts: dict[str, Any] = srv.storage_options()  # type: ignore[attr-defined]
+    return f"{scheme}://{BUCKET}/soak-{uuid.uuid4().hex[:8]}", opts, srv
 
 
 def main() -> int:

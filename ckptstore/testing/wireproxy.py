@@ -11,8 +11,9 @@ that a rule matches, inject a fault **on the wire**:
 ``reset_before``       reset the client connection; nothing reaches the server
 ``reset_after``        forward the whole request, then reset both connections at once,
                        without waiting for the answer (the server may have acted)
-``drop_response``      forward, wait for the server's complete answer (it acted), then
-                       reset the client connection: the acknowledgement is lost
+``drop_response``      forward, wait for the server's complete answer (it acted), hold
+                       it ``seconds`` (0 by default), then reset the client connection:
+                       the acknowledgement is lost
 ``status``             answer ``status`` (503, 429, 500 ...) without forwarding
 ``status_after``       forward, wait for the answer (the server acted), then answer
                        ``status`` instead of the real response
@@ -385,6 +386,8 @@ class WireProxy:
                 resp, status, keep = self._read_response(ur, method)
                 self._record(req, fault, status)
                 if kind == "drop_response":
+                    assert fault is not None
+                    time.sleep(fault.seconds)
                     return
                 if kind == "status_after":
                     assert fault is not None

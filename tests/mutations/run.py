@@ -125,6 +125,16 @@ MUTATIONS: list[Mutation] = [
         backends="memory,moto,fakegcs",
     ),
     Mutation(
+        "unknown-outcome-deletes-components",
+        "after CommitUnknownError the writer keeps its components: the record may have landed (§4.3 step 6)",
+        STORE,
+        (('        if not store._create(key, data, what="commit record"):',
+          ('        try:\n            created = store._create(key, data, what="commit record")\n'
+           '        except BaseException:\n            self._abort()\n            raise\n        if not created:')),),
+        (f"{T_WIRE}::test_every_commit_answer_lost_is_unknown_and_nothing_is_lost",),
+        backends="moto,fakegcs",
+    ),
+    Mutation(
         "no-pre-commit-fence",
         "a superseded writer publishes nothing (§4.3 step 5)",
         STORE,

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
-from ..backends.base import Backend, Buffer, ObjectInfo
-from ..errors import StoreUnavailableError, TransientError
+from .backends.base import Backend, Buffer, ObjectInfo
+from .errors import StoreUnavailableError, TransientError
 
 WRITE_OPS = ("put", "create", "delete")
 

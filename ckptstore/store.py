@@ -19,7 +19,6 @@ import os
 import sys
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal, overload
 
 from .backends.base import Backend
@@ -44,7 +43,12 @@ from .retry import RetryPolicy
 from .runbind import bind_identity, read_identity, read_run_record
 from .runio import RunIO
 from .streams import CHUNK
-from .writer import StagedSave, WriterContext, check_save_id, publish
+from .writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
+
+__all__ = [
+    "DEFAULT_GRACE_SECONDS", "CheckpointStore", "GcReport", "SaveInfo", "SaveRef", "SaveWriter", "Selection",
+    "StagedSave", "VerifyReport",
+]
 
 DEFAULT_GRACE_SECONDS = 3600.0
 ResumeFrom = int | None | Literal["latest"]
@@ -268,7 +272,12 @@ class CheckpointStore:
         md = _check_metadata(metadata)
         for n in expect or []:
             validate_component_name(n)
-        return SaveWriter(self, self.stage(step, save_id=save_id), md, list(expect or []))
+        staged = self.stage(step, save_id=save_id)
+
+        def publish_staged(components: Mapping[str, ComponentEntry]) -> SaveRef:
+            return self.publish(step, staged.save_id, components, metadata=md, expect=list(expect or []))
+
+        return SaveWriter(staged, publish_staged)
 
     # -------------------------------------------------------------- selection
     @overload
@@ -411,49 +420,3 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"save metadata must be JSON-representable: {exc}") from None
     return md
-
-
-class SaveWriter:
-    """One save in progress, published when its ``with`` block exits cleanly.
-    Created by :meth:`CheckpointStore.save`: a :class:`StagedSave` plus
-    :meth:`CheckpointStore.publish`."""
-
-    def __init__(self, store: CheckpointStore, staged: StagedSave, metadata: dict[str, Any], expect: list[str]) -> None:
-        self.store = store
-        self.staged = staged
-        self.step = staged.step
-        self.save_id = staged.save_id
-        self.metadata = metadata
-        self.expect = expect
-        #: The published save, set when the ``with`` block exits cleanly.
-        self.ref: SaveRef | None = None
-
-    def __enter__(self) -> SaveWriter:
-        return self
-
-    def put(self, name: str, data: Any) -> ComponentEntry:
-        """Write one component, hashing it with BLAKE3 while it is written (see :meth:`StagedSave.put`)."""
-        return self.staged.put(name, data)
-
-    @property
-    def components(self) -> dict[str, ComponentEntry]:
-        return self.staged.components
-
-    def commit(self) -> SaveRef:
-        """Verify the inventory and publish. Called by a clean ``with`` exit."""
-        if self.staged.closed:
-            raise InvalidInputError("this save is already closed")
-        self.staged.closed = True
-        self.ref = self.store.publish(
-            self.step, self.save_id, self.staged.components, metadata=self.metadata, expect=self.expect
-        )
-        return self.ref
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is not None:
-            if not self.staged.closed:
-                self.staged.abort()
-            return
-        self.commit()

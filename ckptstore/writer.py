@@ -11,7 +11,7 @@ the coordinator; the coordinator gathers the inventories and calls
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -233,3 +233,44 @@ def publish(
             "it is selectable"
         ) from exc
     return SaveRef.of(record)
+
+
+class SaveWriter:
+    """One save in progress, published when its ``with`` block exits cleanly.
+    Created by ``CheckpointStore.save``: a :class:`StagedSave` plus a publish."""
+
+    def __init__(self, staged: StagedSave, publish_staged: Callable[[Mapping[str, ComponentEntry]], SaveRef]) -> None:
+        self.staged = staged
+        self.step = staged.step
+        self.save_id = staged.save_id
+        self._publish = publish_staged
+        #: The published save, set when the ``with`` block exits cleanly.
+        self.ref: SaveRef | None = None
+
+    def __enter__(self) -> SaveWriter:
+        return self
+
+    def put(self, name: str, data: Any) -> ComponentEntry:
+        """Write one component, hashing it with BLAKE3 while it is written (see :meth:`StagedSave.put`)."""
+        return self.staged.put(name, data)
+
+    @property
+    def components(self) -> dict[str, ComponentEntry]:
+        return self.staged.components
+
+    def commit(self) -> SaveRef:
+        """Verify the inventory and publish. Called by a clean ``with`` exit."""
+        if self.staged.closed:
+            raise InvalidInputError("this save is already closed")
+        self.staged.closed = True
+        self.ref = self._publish(self.staged.components)
+        return self.ref
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            if not self.staged.closed:
+                self.staged.abort()
+            return
+        self.commit()

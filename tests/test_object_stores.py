@@ -9,8 +9,8 @@ import uuid
 import pytest
 
 from ckptstore import CheckpointStore, StoreUnavailableError
-from ckptstore.registry import backend_from_url as object_store_backend
 from ckptstore.cli import main as cli_main
+from ckptstore.registry import backend_from_url as object_store_backend
 
 from .test_protocol import IDENT, save
 
@@ -31,7 +31,9 @@ def test_racing_creates_one_winner_each_round(backend, backend_kind) -> None:  #
         results: list[bool | None] = [None] * n
         barrier = threading.Barrier(n)
 
-        def go(i: int, key: str = key, results: list = results) -> None:  # type: ignore[type-arg]
+        def go(
+            i: int, key: str = key, results: list = results, barrier: threading.Barrier = barrier  # type: ignore[type-arg]
+        ) -> None:
             barrier.wait()
             results[i] = backend.create(key, f"writer-{i}".encode())
 

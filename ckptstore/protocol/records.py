@@ -181,20 +181,21 @@ class AttemptRecord:
     abandons: tuple[int, ...] = ()
     host: str = ""
 
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "protocol_version": PROTOCOL_VERSION,
+            "kind": "attempt",
+            "run_id": self.run_id,
+            "attempt": self.number,
+            "resumed_from": self.resumed_from,
+            "writer_id": self.writer_id,
+            "created_at": self.created_at,
+            "abandons": list(self.abandons),
+            "host": self.host,
+        }
+
     def encode(self) -> bytes:
-        return canonical_json(
-            {
-                "protocol_version": PROTOCOL_VERSION,
-                "kind": "attempt",
-                "run_id": self.run_id,
-                "attempt": self.number,
-                "resumed_from": self.resumed_from,
-                "writer_id": self.writer_id,
-                "created_at": self.created_at,
-                "abandons": list(self.abandons),
-                "host": self.host,
-            }
-        )
+        return canonical_json(self.to_record())
 
     @classmethod
     def decode(cls, data: bytes, where: str, *, run_id: str | None = None, number: int | None = None) -> AttemptRecord:

@@ -10,6 +10,7 @@ which reads and writes the storage without the backend's own methods.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -131,7 +132,7 @@ class BackendConformance:
         assert backend.get("race/commit.json") == f"writer-{winners[0]}".encode()
 
     def test_failing_stream_leaves_no_object(self, backend: Backend) -> None:
-        def gen():  # type: ignore[no-untyped-def]
+        def gen() -> Iterator[bytes]:
             yield b"x" * 1000
             raise RuntimeError("source failed")
 

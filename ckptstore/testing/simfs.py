@@ -256,7 +256,8 @@ class SimFS(PosixOps):
         fs._next = self._next
         for (kind, what), c in zip(decisions, combo, strict=True):
             if kind == "entry":
-                path, name = what  # type: ignore[misc]
+                assert isinstance(what, tuple)
+                path, name = str(what[0]), str(what[1])
                 if c:
                     v = self.dirs[path].vol.get(name)
                     if v is None:

@@ -177,9 +177,12 @@ class Catalog:
         committed_ids: set[str] = set()
         chosen: SaveRef | None = None
         notes = list(scan.attempts.notes())
-        for tried, c in enumerate(self.walk(scan, deep)):
-            if tried >= MAX_CANDIDATES:
-                notes.append(f"gave up after {MAX_CANDIDATES} candidate commits; older ones were not tried")
+        read = 0
+        for c in self.walk(scan, deep):
+            if c.problems and c.problems[0][0] is not SkipReason.UNREGISTERED_ATTEMPT:
+                read += 1  # only candidates whose record was read count against the bound
+            if read > MAX_CANDIDATES:
+                notes.append(f"gave up after reading {MAX_CANDIDATES} candidate commits; older ones were not tried")
                 break
             if c.save_id:
                 committed_ids.add(c.save_id)

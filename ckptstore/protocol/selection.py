@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .records import AttemptRecord, CommitRecord, ComponentEntry
 
-#: Commits tried, newest first, before selection gives up (a store stuffed with
+#: Commit records read, newest first, before selection gives up (a store stuffed with
 #: junk records cannot make a resume read without bound).
 MAX_CANDIDATES = 1000
 #: Skipped candidates reported in full; the rest are counted.

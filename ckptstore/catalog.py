@@ -157,12 +157,17 @@ class Catalog:
         problems = self.check_components(rec, scan.save_objects.get(sid, {}), deep)
         return Candidate(step, attempt, None if problems else SaveRef.of(rec), problems, sid)
 
-    def walk(self, scan: Scan, deep: bool) -> Iterator[Candidate]:
+    def walk(self, scan: Scan, deep: bool, deep_until: int | None = None) -> Iterator[Candidate]:
         """Every commit, newest first, judged; a step already committed by a
-        later attempt that verified makes older commits of it superseded."""
+        later attempt that verified makes older commits of it superseded.
+        With ``deep_until=k``, the deep check stops once ``k`` commits verified
+        (older ones get the size check)."""
         seen_steps: set[int] = set()
+        verified = 0
         for step, attempt in candidate_order(scan.commits):
-            c = self.evaluate(step, attempt, scan, deep)
+            c = self.evaluate(step, attempt, scan, deep and (deep_until is None or verified < deep_until))
+            if c.ref is not None and step not in seen_steps:
+                verified += 1
             if c.ref is not None and step in seen_steps:
                 detail = f"step {step} was committed again by a later attempt"
                 c = Candidate(step, attempt, None, [(SkipReason.SUPERSEDED, detail)], c.save_id)
@@ -214,19 +219,26 @@ class Catalog:
             raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}, attempt {attempt}") from None
 
     # -------------------------------------------------------------- listing
-    def list_saves(self, scan: Scan, deep: bool, grace_seconds: float) -> list[SaveInfo]:
-        """Every save of the run, committed or not, newest first, with its state."""
+    def list_saves(
+        self, scan: Scan, deep: bool, grace_seconds: float, deep_until: int | None = None
+    ) -> list[SaveInfo]:
+        """Every save of the run, committed or not, newest first, with its state
+        (``deep_until``: see :meth:`walk`)."""
         latest: SaveRef | None = None
         out: list[SaveInfo] = []
         committed_ids: set[str] = set()
-        for c in self.walk(scan, deep):
+        verified = 0
+        for c in self.walk(scan, deep, deep_until):
+            if c.ref is not None:
+                verified += 1
             if c.ref is not None and latest is None:
                 latest = c.ref
             if c.save_id:
                 committed_ids.add(c.save_id)
             objs = scan.save_objects.get(c.save_id or "", {})
             if c.ref is not None:
-                state, detail = SaveState.COMMITTED, "verified" if deep else "sizes verified"
+                hashed = deep and (deep_until is None or verified <= deep_until)
+                state, detail = SaveState.COMMITTED, "verified" if hashed else "sizes verified"
             elif c.problems[0][0] is SkipReason.SUPERSEDED:
                 state, detail = SaveState.SUPERSEDED, c.problems[0][1]
             elif c.problems[0][0] is SkipReason.UNSUPPORTED_VERSION:

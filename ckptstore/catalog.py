@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from .authn import RecordAuth
 from .backends.base import ObjectInfo
 from .errors import CorruptionError, NotFoundError
 from .fencing import AttemptLog, AttemptView
@@ -85,6 +86,7 @@ class Catalog:
     def __init__(self, io: RunIO, attempts: AttemptLog, identity_digest: str) -> None:
         self.io = io
         self.attempts = attempts
+        self.auth: RecordAuth = attempts.auth
         self.identity_digest = identity_digest
 
     def scan(self, attempts: AttemptView | None = None) -> Scan:
@@ -149,6 +151,9 @@ class Catalog:
         except CorruptionError as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, str(exc))], None)
         sid = rec.save_id
+        why = self.auth.judge(rec, self.io.run_id, self.io, commit_key(self.io.run_id, step, attempt))
+        if why is not None:
+            return Candidate(step, attempt, None, [(SkipReason.UNAUTHENTICATED, why)], sid)
         if later is not None:
             return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED, describe_superseder(later))], sid)
         if rec.identity_digest != self.identity_digest:

@@ -48,10 +48,26 @@ def _parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
-def _open(args: argparse.Namespace) -> CheckpointStore:
+def _open(args: argparse.Namespace, *, default_policy: str = "off") -> CheckpointStore:
+    from .authn import load_keyring
+
+    key_file = getattr(args, "auth_key_file", None)
+    policy = getattr(args, "auth_policy", None) or ("warn" if key_file and default_policy == "off" else default_policy)
+    keyring = load_keyring(key_file=key_file) if policy != "off" else None
     return CheckpointStore.open(
-        args.url, args.run, mode="r", storage_options=_parse_options(getattr(args, "storage_option", None))
+        args.url, args.run, mode="r", storage_options=_parse_options(getattr(args, "storage_option", None)),
+        auth_policy=policy, keyring=keyring,
     )
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    store = _open(args, default_policy="warn")
+    rep = store.sign()
+    obj = {"signed": rep.signed, "already": rep.already, "refused": rep.refused}
+    lines = [f"signed {len(rep.signed)} record(s), {len(rep.already)} already authenticated"]
+    lines += [f"  not signed: {k}: {why}" for k, why in sorted(rep.refused.items())]
+    _emit(args, obj, "\n".join(lines))
+    return 0
 
 
 def _ref_json(ref: SaveRef) -> dict[str, Any]:
@@ -261,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--storage-option", "-o", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)"
         )
+        sp.add_argument(
+            "--auth-policy", choices=["off", "warn", "require"], default=None,
+            help="authenticated records: off (default), warn, require (keys: --auth-key-file or CKPTSTORE_AUTH_KEYS)",
+        )
+        sp.add_argument("--auth-key-file", default=None, help='key file {"active": ID, "keys": {ID: HEX}}, mode 600')
 
     sp = sub.add_parser("ls", help="list every save of a run with its state")
     common(sp)
@@ -293,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--step", type=int)
     sp.add_argument("--attempt", type=int)
     sp.set_defaults(fn=cmd_inspect)
+
+    sp = sub.add_parser("sign", help="sign a run's existing records (after re-hashing every save) with the configured key")
+    common(sp)
+    sp.set_defaults(fn=cmd_sign)
 
     sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
     sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")

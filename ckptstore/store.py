@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
+from .authn import RecordAuth
 from .backends.base import Backend
 from .catalog import Catalog
 from .errors import InvalidInputError, UnsupportedBackendError
@@ -37,11 +38,13 @@ from .protocol import (
     validate_run_id,
     validate_step,
 )
+from .protocol.auth import AuthPolicy, Keyring
 from .protocol.selection import SaveInfo, SaveRef, Selection
 from .reader import Reader, VerifyReport
 from .retry import RetryPolicy
 from .runbind import bind_identity, read_identity, read_run_record
 from .runio import RunIO
+from .signrun import SignReport, sign_run
 from .streams import CHUNK
 from .writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
 
@@ -93,8 +96,11 @@ class CheckpointStore:
         resume_verify: Literal["deep", "cheap"] = "deep",
         join_attempt: int | None = None,
         single_writer: bool = False,
+        auth_policy: AuthPolicy | str = "off",
+        keyring: Keyring | None = None,
     ) -> None:
         self.backend = backend
+        self._auth = RecordAuth(auth_policy, keyring)
         if resume_verify not in ("deep", "cheap"):
             raise InvalidInputError("resume_verify must be 'deep' or 'cheap'")
         self._resume_deep = resume_verify == "deep"
@@ -107,8 +113,8 @@ class CheckpointStore:
         if isinstance(resume_from, int):
             validate_step(resume_from)
         self._io = RunIO(backend, self.run_id, retry)
-        self._attempts = AttemptLog(self._io)
-        self._ledger = Ledger(self._io)
+        self._attempts = AttemptLog(self._io, self._auth)
+        self._ledger = Ledger(self._io, self._auth)
         self.writer_id = uuid.uuid4().hex
         self.attempt: AttemptRecord | None = None
         #: The save this attempt resumed from (``mode="w"`` with resume_from="latest").
@@ -117,9 +123,9 @@ class CheckpointStore:
         if self.mode == "w":
             self._check_can_write(requested, join_attempt, single_writer)
             assert requested is not None
-            self.identity = bind_identity(self._io, requested, lineage)
+            self.identity = bind_identity(self._io, requested, lineage, self._auth)
         else:
-            self.identity = read_identity(self._io, requested)
+            self.identity = read_identity(self._io, requested, self._auth)
         self.identity_digest = identity_digest(self.identity)
         self._catalog = Catalog(self._io, self._attempts, self.identity_digest)
         self._reader = Reader(self._catalog)
@@ -164,6 +170,8 @@ class CheckpointStore:
         resume_verify: Literal["deep", "cheap"] = "deep",
         join_attempt: int | None = None,
         single_writer: bool = False,
+        auth_policy: AuthPolicy | str = "off",
+        keyring: Keyring | None = None,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -189,6 +197,14 @@ class CheckpointStore:
         writing without ``join_attempt`` is refused unless ``single_writer=True``.
 
         Reading (``mode="r"``): the run must exist; nothing is written.
+
+        Authenticated records (``auth_policy``, default ``"off"``): with a
+        ``keyring`` (or ``CKPTSTORE_AUTH_KEYS`` in the environment) every
+        record this store writes carries a keyed-BLAKE3 tag. ``"warn"`` uses
+        unauthenticated records with an :class:`UnauthenticatedWarning`;
+        ``"require"`` refuses them: selection skips such commits, such attempt
+        records fence nothing and stop gc, and an unauthenticated run is not
+        opened. See ``protocol_spec/THREATS.md``.
         """
         from .registry import backend_from_url
 
@@ -196,11 +212,12 @@ class CheckpointStore:
         return cls(
             backend, run_id, identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
             resume_verify=resume_verify, join_attempt=join_attempt, single_writer=single_writer,
+            auth_policy=auth_policy, keyring=keyring,
         )
 
     @property
     def run_record(self) -> dict[str, Any]:
-        rec = read_run_record(self._io)
+        rec = read_run_record(self._io, self._auth)
         return {
             "run_id": rec.run_id, "identity": rec.identity, "identity_digest": rec.identity_digest,
             "created_at": rec.created_at, "lineage": rec.lineage,
@@ -214,7 +231,7 @@ class CheckpointStore:
     def _writer(self) -> WriterContext:
         if self.mode != "w" or self.attempt is None:
             raise InvalidInputError("this store was opened read-only; open it with identity=... to save")
-        return WriterContext(self._io, self._attempts, self.attempt, self.writer_id, self.identity_digest)
+        return WriterContext(self._io, self._attempts, self.attempt, self.writer_id, self.identity_digest, self._auth)
 
     def new_save_id(self, step: int) -> str:
         """A fresh save ID for ``step`` of this store's attempt (a coordinator
@@ -386,6 +403,14 @@ class CheckpointStore:
             "step": ref.step,
             "manifest_digest": ref.manifest_digest,
         }
+
+    def sign(self) -> SignReport:
+        """Sign this run's existing records with the configured key (sidecar
+        tags): the run record, attempt records, events, and every commit whose
+        save re-hashes intact. Needs ``auth_policy`` other than ``"off"``."""
+        if self._auth.policy is AuthPolicy.OFF:
+            raise InvalidInputError("signing needs auth_policy='warn' or 'require' and a key")
+        return sign_run(self._catalog)
 
     # --------------------------------------------------------------- events
     def record_event(self, kind: str, payload: Mapping[str, Any]) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from .authn import RecordAuth
 from .errors import (
     CommitConflictError,
     CommitUnknownError,
@@ -51,6 +52,7 @@ class WriterContext:
     attempt: AttemptRecord
     writer_id: str
     identity_digest: str
+    auth: RecordAuth
 
 
 def check_save_id(ctx: WriterContext, step: int, save_id: str) -> str:
@@ -202,7 +204,7 @@ def publish(
     except BaseException:
         remove_components(ctx.io, save_id, comps)  # nothing was published: remove what was written
         raise
-    record = CommitRecord(
+    record = ctx.auth.seal(CommitRecord(
         run_id=ctx.io.run_id,
         step=step,
         attempt=ctx.attempt.number,
@@ -214,7 +216,7 @@ def publish(
         metadata=dict(metadata or {}),
         ranks=rank_map,
         world_size=world_size,
-    )
+    ), ctx.io.run_id)
     if not ctx.io.create(commit_key(ctx.io.run_id, step, ctx.attempt.number), record.encode(), what="commit record"):
         remove_components(ctx.io, save_id, comps)
         raise CommitConflictError(

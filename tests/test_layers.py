@@ -30,6 +30,7 @@ CORE_ORDER = [
     "backends.gcs",
     "registry",
     "runio",
+    "authn",
     "runbind",
     "fencing",
     "catalog",
@@ -37,6 +38,7 @@ CORE_ORDER = [
     "reader",
     "gcrun",
     "ledger",
+    "signrun",
     "store",
 ]
 OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata")
@@ -94,7 +96,9 @@ def test_core_imports_only_downward() -> None:
 
 def test_protocol_is_pure() -> None:
     """No I/O, no backends, no stores: only the standard library, blake3 and errors."""
-    allowed_std = {"__future__", "json", "math", "re", "time", "uuid", "enum", "collections", "dataclasses", "typing"}
+    allowed_std = {
+        "__future__", "json", "math", "re", "time", "uuid", "enum", "collections", "dataclasses", "typing", "hmac",
+    }
     for path in (PKG / "protocol").glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -148,14 +152,14 @@ def _run_blocked(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_core_import_graph_reaches_no_optional_dependency(tmp_path: Path) -> None:
-    code = """
+    code = f"""
         import sys
         import ckptstore, ckptstore.cli, ckptstore.store, ckptstore.registry, ckptstore.faults
         import ckptstore.backends.local, ckptstore.backends.memory, ckptstore.backends.s3, ckptstore.backends.gcs
-        bad = sorted(m for m in sys.modules if m.split(".")[0] in {roots!r})
+        bad = sorted(m for m in sys.modules if m.split(".")[0] in {OPTIONAL_ROOTS!r})
         print("LOADED", bad)
         sys.exit(1 if bad else 0)
-    """.format(roots=OPTIONAL_ROOTS)
+    """
     r = _run_blocked(code, tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -44,6 +44,7 @@ class SkipReason(str, enum.Enum):
     IDENTITY_MISMATCH = "identity-mismatch"
     UNSUPPORTED_VERSION = "unsupported-version"
     UNREGISTERED_ATTEMPT = "unregistered-attempt"
+    UNAUTHENTICATED = "unauthenticated"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from .protocol import (
     component_key,
     parse_commit_name,
     parse_save_id,
+    save_prefix,
     saves_prefix,
 )
 from .protocol.records import MAX_COMMIT_RECORD
@@ -51,15 +52,19 @@ class Scan:
     commits: dict[tuple[int, int], ObjectInfo]
     save_objects: dict[str, dict[str, ObjectInfo]]
     attempts: AttemptView
+    #: False: ``save_objects`` was not listed; each candidate lists its own save prefix
+    saves_listed: bool = True
 
     @classmethod
-    def take(cls, io: RunIO, attempts: AttemptView) -> Scan:
+    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
         commits: dict[tuple[int, int], ObjectInfo] = {}
         for o in io.list(commits_prefix(io.run_id)):
             sa = parse_commit_name(o.key.rsplit("/", 1)[-1])
             if sa is not None:
                 commits[sa] = o
         save_objects: dict[str, dict[str, ObjectInfo]] = {}
+        if not with_saves:
+            return cls(commits, save_objects, attempts, saves_listed=False)
         sp = saves_prefix(io.run_id)
         for o in io.list(sp):
             rest = o.key[len(sp) :]
@@ -89,8 +94,14 @@ class Catalog:
         self.auth: RecordAuth = attempts.auth
         self.identity_digest = identity_digest
 
-    def scan(self, attempts: AttemptView | None = None) -> Scan:
-        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load())
+    def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True) -> Scan:
+        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves)
+
+    def _objects_of(self, scan: Scan, save_id: str) -> dict[str, ObjectInfo]:
+        if scan.saves_listed:
+            return scan.save_objects.get(save_id, {})
+        prefix = save_prefix(self.io.run_id, save_id)
+        return {o.key[len(prefix) :]: o for o in self.io.list(prefix)}
 
     # -------------------------------------------------------------- records
     def load_commit(self, step: int, attempt: int) -> CommitRecord:
@@ -159,7 +170,7 @@ class Catalog:
         if rec.identity_digest != self.identity_digest:
             detail = "commit was made under another identity"
             return Candidate(step, attempt, None, [(SkipReason.IDENTITY_MISMATCH, detail)], sid)
-        problems = self.check_components(rec, scan.save_objects.get(sid, {}), deep)
+        problems = self.check_components(rec, self._objects_of(scan, sid), deep)
         return Candidate(step, attempt, None if problems else SaveRef.of(rec), problems, sid)
 
     def walk(self, scan: Scan, deep: bool, deep_until: int | None = None) -> Iterator[Candidate]:
@@ -181,8 +192,12 @@ class Catalog:
             yield c
 
     # ------------------------------------------------------------ selection
-    def select(self, deep: bool, attempts: AttemptView | None = None) -> Selection:
-        scan = self.scan(attempts)
+    def select(self, deep: bool, attempts: AttemptView | None = None, *, explain: bool = True) -> Selection:
+        """The newest commit that verifies. Without ``explain`` the saves are
+        not listed as a whole: each candidate tried lists only its own save's
+        prefix, so the cost follows the candidates tried, not the history
+        (and uncommitted saves are not reported)."""
+        scan = self.scan(attempts, with_saves=explain)
         skipped: list[Skip] = []
         committed_ids: set[str] = set()
         chosen: SaveRef | None = None

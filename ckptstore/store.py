@@ -134,7 +134,8 @@ class CheckpointStore:
                 self.attempt = self._attempts.read(join_attempt)
             else:
                 self.attempt, self.resumed_from = self._attempts.register(
-                    self.writer_id, resume_from, lambda view: self._catalog.select(self._resume_deep, view).latest
+                    self.writer_id, resume_from,
+                    lambda view: self._catalog.select(self._resume_deep, view, explain=False).latest,
                 )
 
     def _check_can_write(self, requested: dict[str, Any] | None, join_attempt: int | None, single: bool) -> None:
@@ -311,7 +312,7 @@ class CheckpointStore:
         the answer is a :class:`Selection` that also lists every newer candidate
         that was skipped and why.
         """
-        sel = self._catalog.select(deep)
+        sel = self._catalog.select(deep, explain=explain)
         return sel if explain else sel.latest
 
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:

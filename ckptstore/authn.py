@@ -112,10 +112,6 @@ class RecordAuth:
             )
         self.keyring = keyring
 
-    @property
-    def enforced(self) -> bool:
-        return self.policy is AuthPolicy.REQUIRE
-
     def seal(self, rec: R, run_id: str) -> R:
         """The record with its tag, when a signing key is configured."""
         if self.policy is AuthPolicy.OFF or self.keyring is None:

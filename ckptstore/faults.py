@@ -35,8 +35,6 @@ from dataclasses import dataclass, field
 from .backends.base import Backend, Buffer, ObjectInfo
 from .errors import StoreUnavailableError, TransientError
 
-WRITE_OPS = ("put", "create", "delete")
-
 
 class Crashed(BaseException):
     """The simulated process died. A BaseException, so ``except Exception``

@@ -32,9 +32,6 @@ from ..faults import Crashed
 
 Entry = tuple[str, object]  # ("f", ino) | ("d", path)
 
-MUTATING = ("open_new", "write", "fsync", "rename", "link", "unlink", "mkdir", "rmdir", "fsync_dir")
-
-
 @dataclass
 class _Inode:
     data: bytearray = field(default_factory=bytearray)

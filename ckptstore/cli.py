@@ -106,6 +106,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for i in infos
     ]
     text = _table(rows, ["", "step", "attempt", "state", "size", "parts", "save_id", "detail"]) if rows else "no saves"
+    young, stale = store.leftovers(grace_seconds=args.grace)
+    if young or stale:
+        text += (
+            f"\nleft behind by killed writers (temporary files, unfinished uploads): {len(stale)} older than the "
+            f"grace period ({args.grace:.0f}s; `gc --apply` removes them), {len(young)} younger (may still be in flight)"
+        )
     _emit(args, [i.to_json() for i in infos], text)
     return 0
 
@@ -113,8 +119,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_latest(args: argparse.Namespace) -> int:
     store = _open(args)
     sel = store.latest_complete(deep=args.deep, explain=True)
-    obj = {"latest": _ref_json(sel.latest) if sel.latest else None, "skipped": [s.to_json() for s in sel.skipped]}
-    lines = []
+    obj = {
+        "latest": _ref_json(sel.latest) if sel.latest else None,
+        "check": "deep" if args.deep else "size",
+        "skipped": [s.to_json() for s in sel.skipped],
+        "more_skipped": sel.more_skipped,
+        "notes": list(sel.notes),
+    }
+    lines = [
+        "checked: every byte re-hashed (deep)" if args.deep
+        else "checked: records and component sizes only (`--deep` re-hashes every byte, as a resume does)"
+    ]
     if sel.latest:
         lines.append(
             f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {sel.latest.save_id}, "
@@ -124,6 +139,9 @@ def cmd_latest(args: argparse.Namespace) -> int:
         lines.append("no complete save")
     for s in sel.skipped:
         lines.append(f"  skipped step {s.step} attempt {s.attempt}: {s.reason.value}: {s.detail}")
+    if sel.more_skipped:
+        lines.append(f"  ... and {sel.more_skipped} older skipped candidate(s)")
+    lines += [f"note: {n}" for n in sel.notes]
     _emit(args, obj, "\n".join(lines))
     return 0 if sel.latest else 1
 
@@ -291,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("latest", help="the newest complete save, and why newer candidates were skipped")
     common(sp)
-    sp.add_argument("--deep", action="store_true", help="re-hash every component")
+    sp.add_argument("--deep", action="store_true", help="re-hash every byte (what a resume checks by default)")
     sp.set_defaults(fn=cmd_latest)
 
     sp = sub.add_parser("verify", help="re-hash a save (the latest by default); exit 1 on corruption")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
@@ -34,6 +35,7 @@ from .protocol import (
     ComponentEntry,
     canonical_json,
     new_save_id,
+    run_prefix,
     validate_component_name,
     validate_run_id,
     validate_step,
@@ -392,6 +394,14 @@ class CheckpointStore:
             self._catalog, keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds,
             dry_run=dry_run, deep=deep,
         )
+
+    def leftovers(self, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> tuple[list[str], list[str]]:
+        """What killed writers left behind (temporary files, unfinished
+        uploads): (younger than the grace period, older). gc removes the older."""
+        prefix = run_prefix(self.run_id)
+        everything = self.backend.list_incomplete(prefix, time.time() + 1e9)
+        stale = set(self.backend.list_incomplete(prefix, time.time() - grace_seconds))
+        return [h for h in everything if h not in stale], sorted(stale)
 
     def lineage_of(self, ref: SaveRef) -> dict[str, Any]:
         """The lineage record for starting a *new* run from this save's weights

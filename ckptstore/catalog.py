@@ -229,7 +229,7 @@ class Catalog:
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
         """The commit of ``step`` (the highest attempt, unless given); not verified."""
         if attempt is None:
-            found = sorted(a for s, a in self.scan().commits if s == step)
+            found = sorted(a for s, a in self.scan(with_saves=False).commits if s == step)
             if not found:
                 raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}")
             attempt = found[-1]

@@ -215,3 +215,23 @@ def test_a_plugin_scheme_opens_through_the_registry() -> None:
     with st.save(1) as s:
         s.put("m", b"x")
     assert st.backend is mem and st.latest_complete() is not None
+
+
+def test_writer_open_inside_a_multi_rank_job_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank opening the run would register its own attempt and fence the
+    others: refused, pointing at the distributed entry point (the check looks at
+    torch.distributed only if the caller imported it; a stub stands in here)."""
+    import types
+
+    from ckptstore import CheckpointStore, InvalidInputError
+    from ckptstore.backends.memory import MemoryBackend
+
+    stub = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 2)
+    monkeypatch.setitem(sys.modules, "torch.distributed", stub)
+    mem = MemoryBackend()
+    with pytest.raises(InvalidInputError, match="open_distributed"):
+        CheckpointStore.open(mem, "r", identity={"data_digest": "d"})
+    st = CheckpointStore.open(mem, "r", identity={"data_digest": "d"}, single_writer=True)  # rank 0 saves
+    assert st.attempt is not None
+    member = CheckpointStore.open(mem, "r", identity={"data_digest": "d"}, join_attempt=st.attempt.number)
+    assert member.attempt == st.attempt and len(member.attempts()) == 1

@@ -48,6 +48,16 @@ class BackendConformance:
         backend.delete("g/d")
         assert RawAccess(backend).get("g/d") is None
 
+    def test_object_of_several_parts(self, backend: Backend) -> None:
+        """Larger than two 16 MiB upload parts, fed in odd-sized chunks."""
+        part = bytes(range(256)) * 4096  # 1 MiB
+        data = part * 33 + b"tail"
+        chunks = [data[i : i + 3_000_001] for i in range(0, len(data), 3_000_001)]
+        backend.put("big/obj", chunks)
+        assert backend.size("big/obj") == len(data)
+        assert RawAccess(backend).get("big/obj") == data
+        assert backend.get_range("big/obj", 16 * 2**20 - 5, 16 * 2**20 + 5) == data[16 * 2**20 - 5 : 16 * 2**20 + 5]
+
     def test_incomplete_hooks_are_safe_on_an_empty_prefix(self, backend: Backend) -> None:
         assert backend.list_incomplete("nothing-here/", 1e12) == []
 

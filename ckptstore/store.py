@@ -395,6 +395,22 @@ class CheckpointStore:
             dry_run=dry_run, deep=deep,
         )
 
+    def fall_back(self, to: SaveRef | None, reason: str) -> None:
+        """Give up this attempt's resume point before anything was saved from
+        it (e.g. the restore found it corrupt): register a new attempt that
+        resumes from ``to`` (None: from scratch), which takes the abandoned
+        point out of the run's history, and record why in the ledger. This
+        store then writes as the new attempt."""
+        writer = self._writer()
+        old = writer.attempt.number
+        self.attempt, _ = self._attempts.register(self.writer_id, to.step if to is not None else None, lambda v: None)
+        self.resumed_from = to
+        self.record_event(
+            "resume-fallback",
+            {"from_attempt": old, "to_step": to.step if to is not None else None,
+             "to_save": to.save_id if to is not None else None, "reason": reason[:2000]},
+        )
+
     def leftovers(self, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> tuple[list[str], list[str]]:
         """What killed writers left behind (temporary files, unfinished
         uploads): (younger than the grace period, older). gc removes the older."""

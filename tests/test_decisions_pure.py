@@ -113,3 +113,22 @@ def test_gc_reads_only_what_it_keeps() -> None:
     assert rep.bytes_read == 2000
     assert len(rep.deleted_saves) == 8
     assert [i.step for i in st.list_saves()] == [10, 9]
+
+
+def test_fall_back_takes_the_abandoned_point_out_of_history() -> None:
+    mem = MemoryBackend()
+    st = CheckpointStore.open(mem, "r", identity={"data_digest": "d"})
+    for step in (1, 2):
+        with st.save(step) as s:
+            s.put("model", bytes([step]) * 10)
+    st2 = CheckpointStore.open(mem, "r", identity={"data_digest": "d"})
+    assert st2.resumed_from is not None and st2.resumed_from.step == 2
+    older = st2.get_save(1)
+    st2.fall_back(older, "step 2 failed its digest check during the restore")
+    assert st2.attempt is not None and st2.attempt.number == 3 and st2.resumed_from == older
+    assert st2.latest_complete() == older  # step 2 is superseded by the fallback
+    with st2.save(2) as s:
+        s.put("model", b"again")
+    latest = st2.latest_complete()
+    assert latest is not None and latest.attempt == 3
+    assert [e["event"] for e in st2.events()] == ["resume-fallback"]

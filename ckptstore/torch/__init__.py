@@ -3,11 +3,13 @@
 Importing this module imports torch; the core ``ckptstore`` never does.
 """
 
-from .checkpointer import Checkpointer
+from .checkpointer import EX_TEMPFAIL, Checkpointer, ConfigChangeWarning
 from .codec import flatten, unflatten
-from .sampler import ResumableSampler
+from .loaders import ResumableLoader, WorkerRngState, sample_seed
+from .sampler import ResumableSampler, RngPitfallWarning
 from .state import (
     CheckpointMismatchError,
+    ConfigDiff,
     capture_rng,
     read_state,
     restore_rng,
@@ -17,14 +19,21 @@ from .state import (
 )
 
 __all__ = [
+    "EX_TEMPFAIL",
     "CheckpointMismatchError",
     "Checkpointer",
+    "ConfigChangeWarning",
+    "ConfigDiff",
+    "ResumableLoader",
     "ResumableSampler",
+    "RngPitfallWarning",
+    "WorkerRngState",
     "capture_rng",
     "flatten",
     "read_state",
     "restore_rng",
     "restore_state",
+    "sample_seed",
     "save_state",
     "torch_environment",
     "unflatten",

@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ..errors import InvalidInputError
-from .sampler import ResumableSampler, settle_global_rng
+from .sampler import ResumableSampler, settle_global_rng, warn_diverged
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -270,9 +270,9 @@ def fix_stateful_dataloader_resume(
                 gens[k].set_state(st)
         if global_rng is not None:
             if torch.equal(before, global_rng):
-                torch.set_rng_state(before)
+                torch.set_rng_state(before)  # the uninterrupted run made no draw here: undo this one's
             else:
-                settle_global_rng(global_rng, "StatefulDataLoader")
+                warn_diverged("StatefulDataLoader")
         return it
 
     loader._get_iterator = _get_iterator

@@ -52,13 +52,16 @@ def _after_one_draw(state: torch.Tensor) -> torch.Tensor:
     return g.get_state()
 
 
-def settle_global_rng(expected: torch.Tensor, where: str) -> str:
+def settle_global_rng(expected: torch.Tensor, where: str, *, epoch_start: bool = False) -> str:
     """Called at the first data iteration after a resume, with the global torch
     RNG state that resume() restored. Returns what was found:
 
     * ``"untouched"``: the state is still the restored one;
     * ``"undone"``: exactly one base-seed draw happened (a DataLoader without
-      ``generator=`` created its iterator); the restored state is put back;
+      ``generator=`` created its iterator) where the uninterrupted run had a
+      live iterator (mid-epoch); the restored state is put back;
+    * ``"expected"``: that draw happened at an epoch start, where the
+      uninterrupted run created a new iterator too: it is kept;
     * ``"diverged"``: something else used the global RNG; a
       :class:`RngPitfallWarning` says so (it cannot be undone).
     """
@@ -66,16 +69,22 @@ def settle_global_rng(expected: torch.Tensor, where: str) -> str:
     if torch.equal(cur, expected):
         return "untouched"
     if torch.equal(cur, _after_one_draw(expected)):
+        if epoch_start:
+            return "expected"
         torch.set_rng_state(expected)
         return "undone"
+    warn_diverged(where)
+    return "diverged"
+
+
+def warn_diverged(where: str) -> None:
     warnings.warn(
         f"{where}: the global torch RNG was used between resume() and the first batch (other than one "
         "DataLoader base-seed draw); the resumed run will not match the uninterrupted one. Create the "
         "iterator right after resume() and draw no random numbers before the first batch.",
         RngPitfallWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
-    return "diverged"
 
 
 class ResumableSampler(Sampler[int]):
@@ -115,7 +124,8 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         if self._armed is not None:
             expected, self._armed = self._armed, None
-            self.rng_after_resume = settle_global_rng(expected, "ResumableSampler")
+            self.rng_after_resume = settle_global_rng(expected, "ResumableSampler",
+                                                      epoch_start=self.offset >= self.num_samples)
         epoch, offset = self.epoch, self.offset
         if offset >= self.num_samples:  # the saved position is the end of an epoch
             epoch, offset = epoch + 1, 0

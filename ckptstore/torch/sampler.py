@@ -101,6 +101,7 @@ class ResumableSampler(Sampler[int]):
         #: yield ``epoch * num_samples + index`` instead of ``index`` (ResumableLoader's per-sample seeding)
         self._keyed = False
         self._live = 0  # iterators started and not finished
+        self._start_pos = (0, 0)  # where the latest iterator started
         self._armed: torch.Tensor | None = None
         #: what the first iteration after a resume found (see settle_global_rng)
         self.rng_after_resume: str | None = None
@@ -133,6 +134,7 @@ class ResumableSampler(Sampler[int]):
                 self.epoch, self.offset = epoch, offset
         order = self.order(epoch)
         base = epoch * self.num_samples if self._keyed else 0
+        self._start_pos = (epoch, offset)
         self._live += 1
         try:
             while offset < self.num_samples:
@@ -164,6 +166,9 @@ class ResumableSampler(Sampler[int]):
         epoch when the epoch's samples are used up (``drop_last=False``)."""
         if n < 0:
             raise InvalidInputError("advance: n must be >= 0")
+        if not self.manual and self._live:
+            # the first report: count from where the live iterator started, not from what it handed out
+            self.epoch, self.offset = self._start_pos
         epoch, offset = self.epoch, self.offset
         if offset >= self.num_samples:
             epoch, offset = epoch + 1, 0

@@ -32,7 +32,7 @@ from ckptstore.torch.state import STATE_COMPONENT, read_save
 IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "r", "feature_contract": "f"}
 
 
-def model() -> torch.nn.Module:
+def model() -> Any:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
 
@@ -183,11 +183,11 @@ def test_shape_mismatch_message_is_short() -> None:
 
 def test_unsaveable_objects_are_refused_when_the_checkpointer_is_built() -> None:
     st_ = CheckpointStore.open(MemoryBackend(), "r", identity=IDENT)
-    dl = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    dl: Any = torch.utils.data.DataLoader(list(range(8)), batch_size=2)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="DataLoader has no state_dict.*ResumableLoader"):
         Checkpointer(st_, {"loader": dl}, handle_signals=False)
     s = ResumableSampler(8)
-    dl2 = torch.utils.data.DataLoader(list(range(8)), batch_size=2, sampler=s)
+    dl2: Any = torch.utils.data.DataLoader(list(range(8)), batch_size=2, sampler=s)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="register its sampler instead"):
         Checkpointer(st_, {"loader": dl2}, handle_signals=False)
     with pytest.raises(InvalidInputError, match=r"progress.*set"):
@@ -200,13 +200,13 @@ def test_iterator_created_before_resume_is_refused() -> None:
     s = ResumableSampler(8, seed=1)
     b = saved_run({"sampler": s})
     s2 = ResumableSampler(8, seed=1)
-    it = iter(torch.utils.data.DataLoader(list(range(8)), batch_size=2, sampler=s2))
+    it = iter(torch.utils.data.DataLoader(list(range(8)), batch_size=2, sampler=s2))  # type: ignore[arg-type]
     next(it)
     with pytest.raises(InvalidInputError, match="Call resume\\(\\) before"):
         resume(b, {"sampler": s2})
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
 
-    def sdl() -> StatefulDataLoader:
+    def sdl() -> Any:
         return StatefulDataLoader(list(range(8)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1))
 
     d = sdl()

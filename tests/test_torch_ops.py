@@ -15,7 +15,13 @@ import torch
 from ckptstore import CheckpointStore, InvalidInputError, SaveState
 from ckptstore import protocol as P
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.torch import EX_TEMPFAIL, Checkpointer, ResumableSampler, RngPitfallWarning, read_state
+from ckptstore.torch import (
+    EX_TEMPFAIL,
+    Checkpointer,
+    ResumableSampler,
+    RngPitfallWarning,
+    read_state,
+)
 from ckptstore.torch.retention import plan_retention
 
 IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "r", "feature_contract": "f"}
@@ -70,7 +76,7 @@ def test_keep_every_plan_and_the_core_hook_it_needs() -> None:
         plan_retention(infos, keep_last=0)
 
     st = CheckpointStore.open(MemoryBackend(), "r", identity=IDENT)
-    m, o = tiny()
+    m, _ = tiny()
     if "keep" not in inspect.signature(st.gc).parameters:
         with pytest.raises(InvalidInputError, match=r"gc\(keep=predicate\)"):
             Checkpointer(st, {"model": m}, keep_last=2, keep_every=10, handle_signals=False)
@@ -78,7 +84,7 @@ def test_keep_every_plan_and_the_core_hook_it_needs() -> None:
     calls: list[dict[str, Any]] = []
 
     class HookedStore(CheckpointStore):  # what the core hook would receive
-        def gc(self, *, keep_last: int = 2, keep: Any = None, **kw: Any) -> Any:  # type: ignore[override]
+        def gc(self, *, keep_last: int = 2, keep: Any = None, **kw: Any) -> Any:
             calls.append({"keep_last": keep_last, "keep": keep})
             return super().gc(keep_last=keep_last, **kw)
 
@@ -207,9 +213,18 @@ def test_snapshot_stream_ordering_with_a_fake_stream() -> None:
     m, o = tiny()
     ck = Checkpointer(st, {"model": m}, every_steps=1, handle_signals=False, streams=FakeStreams(log))
     real_copy = ck._buffers.copy
-    ck._buffers.copy = lambda e, k, t: (log.append(("copy", k)), real_copy(e, k, t))[1]  # type: ignore[method-assign]
     real_save = st.save
-    st.save = lambda *a, **kw: (log.append(("write",)), real_save(*a, **kw))[1]  # type: ignore[method-assign]
+
+    def copy(entry: str, key: str, t: torch.Tensor) -> torch.Tensor:
+        log.append(("copy", key))
+        return real_copy(entry, key, t)
+
+    def save(*a: Any, **kw: Any) -> Any:
+        log.append(("write",))
+        return real_save(*a, **kw)
+
+    ck._buffers.copy = copy  # type: ignore[method-assign]
+    st.save = save  # type: ignore[method-assign]
     step(m, o)
     ck.step_end(0)
     ck.wait()
@@ -242,7 +257,9 @@ def test_async_save_right_after_step_captures_the_update_on_gpu() -> None:
         with torch.no_grad():
             m.weight.mul_(-3.0)  # the next in-place update, queued behind the copy
         ck.wait()
-        saved = read_state(st, st.latest_complete())["model"]["weight"]
+        ref = st.latest_complete()
+        assert ref is not None
+        saved = read_state(st, ref)["model"]["weight"]
         assert torch.equal(saved, expect)
         with torch.no_grad():
             m.weight.div_(-3.0)
@@ -254,7 +271,7 @@ def test_async_save_right_after_step_captures_the_update_on_gpu() -> None:
 
 def test_resumable_sampler_with_workers_never_rewinds_a_live_iterator() -> None:
     s = ResumableSampler(40, seed=1)
-    dl = torch.utils.data.DataLoader(list(range(40)), batch_size=4, sampler=s, num_workers=2)
+    dl: Any = torch.utils.data.DataLoader(list(range(40)), batch_size=4, sampler=s, num_workers=2)  # type: ignore[arg-type]
     it = iter(dl)
     seen: list[int] = []
     for _ in range(3):
@@ -282,8 +299,8 @@ def test_resumable_sampler_with_workers_never_rewinds_a_live_iterator() -> None:
 
 @pytest.mark.parametrize("draw_before_iter", [False, True])
 def test_loader_without_generator_after_resume(draw_before_iter: bool) -> None:
-    def loader(s: ResumableSampler) -> torch.utils.data.DataLoader[Any]:
-        return torch.utils.data.DataLoader(list(range(16)), batch_size=4, sampler=s)  # no generator=
+    def loader(s: ResumableSampler) -> Any:
+        return torch.utils.data.DataLoader(list(range(16)), batch_size=4, sampler=s)  # type: ignore[arg-type]  # no generator=
 
     b = MemoryBackend()
     torch.manual_seed(0)
@@ -311,3 +328,33 @@ def test_loader_without_generator_after_resume(draw_before_iter: bool) -> None:
     dropout = torch.rand(3)
     assert batch == uninterrupted[0] and torch.equal(dropout, uninterrupted[1])
     ck2.close()
+
+
+# ------------------------------------------------------------------ ResumableLoader position
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resumable_loader_position_mid_epoch_and_at_the_end(drop_last: bool) -> None:
+    from ckptstore.torch import ResumableLoader
+
+    data = list(range(10))
+
+    def mk() -> ResumableLoader:
+        return ResumableLoader(data, batch_size=4, seed=5, drop_last=drop_last)
+
+    ref = mk()
+    epochs = [[b.tolist() for b in ref] for _ in range(3)]
+    per_epoch = 2 if drop_last else 3
+    assert all(len(e) == per_epoch for e in epochs)
+    for cut in range(per_epoch + 1):  # 0 .. all batches of epoch 0 consumed
+        a = mk()
+        it = iter(a)
+        got = [next(it).tolist() for _ in range(cut)]
+        state = a.state_dict()
+        assert (state["epoch"], state["batches"]) == (0, cut)
+        b = mk()
+        b.load_state_dict(state)
+        rest = [x.tolist() for x in b] if cut < per_epoch else []
+        later = [[x.tolist() for x in b] for _ in range(2)]
+        flat = got + rest + [x for e in later for x in e]
+        assert flat[: 3 * per_epoch] == [x for e in epochs for x in e]

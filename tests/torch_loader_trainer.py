@@ -72,7 +72,7 @@ def build_loader(kind: str, ds: Receipts) -> tuple[Any, dict[str, Any]]:
     if kind in ("rloader0", "rloader2"):
         rl = ResumableLoader(ds, batch_size=BATCH, seed=3, num_workers=2 if kind == "rloader2" else 0)
         return rl, {"loader": rl}
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
 
     if kind == "sdl0":
         sdl = StatefulDataLoader(ds, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3))

@@ -60,6 +60,25 @@ def test_keep_last_runs_after_each_commit() -> None:
     assert ck.retention_errors == []
 
 
+def test_a_retention_failure_never_fails_the_save_or_training() -> None:
+    from ckptstore import StoreUnavailableError
+    from ckptstore.testing.faults import FaultyBackend
+
+    fb = FaultyBackend(MemoryBackend())
+    fb.fail(None, StoreUnavailableError("delete refused"), persistent=True, when=lambda op, k: op == "delete")
+    st = CheckpointStore.open(fb, "r", identity=IDENT)
+    m, o = tiny()
+    ck = Checkpointer(st, {"model": m, "optimizer": o}, every_steps=1, keep_last=1, handle_signals=False)
+    with pytest.warns(RuntimeWarning, match="retention after a save failed"):
+        for s in range(3):
+            step(m, o)
+            ck.step_end(s)
+        ck.close()
+    assert committed_steps(st) == [2, 1, 0]  # nothing deleted, every save committed
+    assert len(ck.retention_errors) == 2 and "delete refused" in ck.retention_errors[0]
+    assert len([e for e in st.events() if e["event"] == "retention-failed"]) == 2
+
+
 def test_keep_every_plan_and_the_core_hook_it_needs() -> None:
     @dataclass
     class Info:

@@ -54,7 +54,6 @@ import torch
 
 from .. import (
     CheckpointStore,
-    CkptStoreError,
     CorruptionError,
     InvalidInputError,
     SaveRef,
@@ -405,7 +404,7 @@ class Checkpointer:
                               deep=self.retention_deep)
             else:
                 self.store.gc(keep_last=self.keep_last, deep=self.retention_deep)
-        except CkptStoreError as exc:
+        except Exception as exc:  # noqa: BLE001 - the save is committed; retention must not fail it
             msg = f"retention after a save failed: {type(exc).__name__}: {exc}"
             self.retention_errors.append(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)

@@ -108,7 +108,10 @@ def check_rng(state: Any) -> None:
         random.Random().setstate(_tuples(state["python"]))
         np.random.RandomState().set_state(state["numpy"])
         torch.Generator().set_state(state["torch"])
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, OverflowError) as exc:
+        for gens in state.get("generators", {}).values():
+            for g in gens.values():
+                torch.Generator().set_state(g)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, OverflowError, AttributeError) as exc:
         raise CheckpointMismatchError(f"saved RNG state cannot be restored: {str(exc)[:200]}") from None
 
 

@@ -454,8 +454,11 @@ def _check_module(name: str, module: torch.nn.Module, saved: Any) -> list[str]:
 def _check_optimizer(opt: torch.optim.Optimizer, saved: Any, meta: Mapping[str, Any]) -> list[str]:
     if not isinstance(saved, Mapping) or not isinstance(saved.get("param_groups"), list):
         return ["saved optimizer state has no param_groups"]
+    live = opt.state_dict()
+    if set(saved) != set(live):
+        return [f"top-level keys {sorted(map(str, saved))} saved, {sorted(live)} expected"]
     groups = saved["param_groups"]
-    mine = opt.state_dict()["param_groups"]
+    mine = live["param_groups"]
     if not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
         return ["saved param_groups are malformed"]
     problems: list[str] = []

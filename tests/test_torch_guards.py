@@ -322,3 +322,31 @@ def test_fuzz_state_document_bytes(data: bytes) -> None:
         unflatten(tree_from_json(data), {})
     except CkptStoreError:
         pass
+
+
+def test_saved_tree_is_checked_against_the_live_state_dict_before_loading() -> None:
+    from ckptstore.torch.state import SavedState, check_fit
+
+    m = model()
+    o = torch.optim.AdamW(m.parameters(), lr=0.01)
+    s = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10)
+    good = s.state_dict()
+
+    class Ref:
+        save_id, step = "s", 1
+
+    def fit(tree: Any) -> None:
+        check_fit({"scheduler": s}, SavedState({"scheduler": tree}, {}), Ref())  # type: ignore[arg-type]
+
+    fit(dict(good))  # fine
+    with pytest.raises(CheckpointMismatchError, match=r"\['T_max'\]: saved a string, this object has a number"):
+        fit({**good, "T_max": "10"})
+    with pytest.raises(CheckpointMismatchError, match=r"\['eta_min'\]: missing from the save"):
+        fit({k: v for k, v in good.items() if k != "eta_min"})
+    with pytest.raises(CheckpointMismatchError, match=r"\['extra'\]: in the save, unknown"):
+        fit({**good, "extra": 1})
+    with pytest.raises(CheckpointMismatchError, match="is not a state value"):
+        fit({**good, "base_lrs": [print]})
+    with pytest.raises(CheckpointMismatchError, match="top-level keys"):
+        check_fit({"optimizer": o}, SavedState({"optimizer": {**o.state_dict(), "x": 1}}, {}), Ref())  # type: ignore[arg-type]
+    assert s.state_dict() == good  # nothing was loaded

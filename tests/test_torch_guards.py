@@ -194,6 +194,10 @@ def test_unsaveable_objects_are_refused_when_the_checkpointer_is_built() -> None
         Checkpointer(st_, {"progress": {"seen": {1, 2}}}, handle_signals=False)
     with pytest.raises(InvalidInputError, match="reserved"):
         Checkpointer(st_, {"rng": {}}, handle_signals=False)
+    o = torch.optim.AdamW(model().parameters())
+    with pytest.warns(ConfigChangeWarning, match="LambdaLR with a function: its horizon"):
+        Checkpointer(st_, {"sched": torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 - s / 100)},
+                     handle_signals=False).close()
 
 
 def test_iterator_created_before_resume_is_refused() -> None:

@@ -28,6 +28,7 @@ CORE_ORDER = [
     "backends.fsspec_base",
     "backends.s3",
     "backends.gcs",
+    "guards",
     "registry",
     "runio",
     "authn",

@@ -1,21 +1,41 @@
 """The ``ckptstore`` command line.
 
-Human tables by default, ``--json`` for machines. Every deliberate error is one
-line on stderr and a non-zero exit code (2 for bad input, 1 for a failed check
-or unavailable storage), never a traceback.
+Human tables by default, ``--json`` for machines. Every failure is one line on
+stderr and a non-zero exit code (2 for bad input, 1 for a failed check,
+unavailable storage or an unexpected error), never a traceback unless
+``--debug`` asks for one.
+
+Hostile storage (protocol_spec/THREATS.md): every string that comes from the
+store is escaped before it reaches the terminal (:mod:`ckptstore.terminal`),
+and every message is redacted (:mod:`ckptstore.redact`): passwords in URLs and
+the values of ``-o`` storage options are never printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
 from .errors import CkptStoreError, ExtraRequiredError, InvalidInputError
+from .redact import redact_text, secret_values
 from .store import CheckpointStore, SaveRef
+from .terminal import escape, escape_lines, sanitize
+
+#: Values that must never be printed: the ``-o`` option values of this
+#: invocation (filled while parsing) and the clients' credential variables.
+_SECRETS: list[str] = []
+_OPTION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+
+
+def esc(value: object) -> str:
+    """A store-derived value, safe for the terminal (one line, visible escapes)."""
+    return escape(value)
 
 
 def _human_bytes(n: int) -> str:
@@ -36,11 +56,17 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``-o KEY=VALUE`` pairs. A malformed one is refused naming at most its
+    key: a value (or a whole argument without ``=``) may be a credential."""
     out: dict[str, Any] = {}
-    for p in pairs or []:
+    for i, p in enumerate(pairs or [], 1):
         if "=" not in p:
-            raise InvalidInputError(f"--storage-option {p!r}: expected KEY=VALUE")
+            _SECRETS.append(p)
+            raise InvalidInputError(f"storage option #{i}: expected KEY=VALUE (the argument is not shown)")
         k, v = p.split("=", 1)
+        _SECRETS.append(v)
+        if not _OPTION_KEY.fullmatch(k):
+            raise InvalidInputError(f"storage option #{i}: malformed key (expected letters, digits, '_', '.', '-')")
         val: Any = v
         if v.lower() in ("true", "false"):
             val = v.lower() == "true"
@@ -83,10 +109,14 @@ def _ref_json(ref: SaveRef) -> dict[str, Any]:
 
 
 def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
+    """Print the result. JSON escapes every control character itself
+    (``ensure_ascii``); text is escaped line by line as a last line of defence
+    (store-derived values in it were escaped where they were formatted)."""
     if args.json:
-        print(json.dumps(obj, indent=2, sort_keys=True))
+        out = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=True)
     else:
-        print(text)
+        out = escape_lines(text)
+    print(redact_text(out, _SECRETS))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -100,8 +130,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             i.state.value,
             _human_bytes(i.bytes),
             str(i.components),
-            i.save_id,
-            i.detail,
+            esc(i.save_id),
+            esc(i.detail),
         ]
         for i in infos
     ]
@@ -132,16 +162,16 @@ def cmd_latest(args: argparse.Namespace) -> int:
     ]
     if sel.latest:
         lines.append(
-            f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {sel.latest.save_id}, "
+            f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {esc(sel.latest.save_id)}, "
             f"{_human_bytes(sel.latest.total_bytes)})"
         )
     else:
         lines.append("no complete save")
     for s in sel.skipped:
-        lines.append(f"  skipped step {s.step} attempt {s.attempt}: {s.reason.value}: {s.detail}")
+        lines.append(f"  skipped step {s.step} attempt {s.attempt}: {s.reason.value}: {esc(s.detail)}")
     if sel.more_skipped:
         lines.append(f"  ... and {sel.more_skipped} older skipped candidate(s)")
-    lines += [f"note: {n}" for n in sel.notes]
+    lines += [f"note: {esc(n)}" for n in sel.notes]
     _emit(args, obj, "\n".join(lines))
     return 0 if sel.latest else 1
 
@@ -169,12 +199,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     }
     if rep.ok:
         text = (
-            f"OK: step {ref.step} (save {ref.save_id}): {len(ref.components)} component(s), "
+            f"OK: step {ref.step} (save {esc(ref.save_id)}): {len(ref.components)} component(s), "
             f"{_human_bytes(ref.total_bytes)} {'re-hashed' if rep.deep else 'sizes checked'} in {took:.2f}s"
         )
     else:
-        text = f"CORRUPT: step {ref.step} (save {ref.save_id}):\n" + "\n".join(
-            f"  {r.value}: {d}" for r, d in rep.problems
+        text = f"CORRUPT: step {ref.step} (save {esc(ref.save_id)}):\n" + "\n".join(
+            f"  {r.value}: {esc(d)}" for r, d in rep.problems
         )
     _emit(args, obj, text)
     return 0 if rep.ok else 1
@@ -191,9 +221,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         "temporaries": rep.temporaries,
     }
     verb = "would delete" if rep.dry_run else "deleted"
-    lines = [f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s), "
-             f"{len(rep.temporaries)} stray temporary file(s); kept {len(rep.kept)}"]
-    lines += [f"  {s}: {r}" for s, r in rep.deleted_saves]
+    lines = [(f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s), "
+              f"{len(rep.temporaries)} stray temporary file(s); kept {len(rep.kept)}")]
+    lines += [f"  {esc(s)}: {esc(r)}" for s, r in rep.deleted_saves]
     if rep.dry_run and rep.actions:
         lines.append("dry run: pass --apply to delete")
     _emit(args, obj, "\n".join(lines))
@@ -210,7 +240,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ref = store.latest_complete()
     obj = {
         "run_id": store.run_id,
-        "url": store.backend.url,
+        "url": redact_text(store.backend.url),
         "identity": run["identity"],
         "identity_digest": store.identity_digest,
         "lineage": run.get("lineage"),
@@ -218,17 +248,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "attempts": [a.to_record() for a in attempts],
         "save": _ref_json(ref) if ref else None,
     }
-    lines = [f"run {store.run_id} at {store.backend.url}", "identity:"]
-    lines += [f"  {k}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(run["identity"].items())]
+    lines = [f"run {esc(store.run_id)} at {esc(redact_text(store.backend.url))}", "identity:"]
+    lines += [f"  {esc(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(run["identity"].items())]
     if run.get("lineage"):
         lines.append(f"lineage: {json.dumps(run['lineage'], sort_keys=True)}")
     lines.append(f"attempts: {len(attempts)}")
     for a in attempts:
         start = "scratch" if a.resumed_from is None else f"step {a.resumed_from}"
-        lines.append(f"  #{a.number} resumed from {start} on {a.host or '?'}")
+        lines.append(f"  #{a.number} resumed from {start} on {esc(a.host or '?')}")
     if ref:
-        lines.append(f"save step {ref.step} attempt {ref.attempt} ({ref.save_id}), manifest {ref.manifest_digest[:16]}…")
-        rows = [[n, _human_bytes(c.size), c.blake3[:16] + "…"] for n, c in sorted(ref.components.items())]
+        lines.append(f"save step {ref.step} attempt {ref.attempt} ({esc(ref.save_id)}), "
+                     f"manifest {esc(ref.manifest_digest[:16])}…")
+        rows = [[esc(n), _human_bytes(c.size), esc(c.blake3[:16]) + "…"] for n, c in sorted(ref.components.items())]
         lines.append(_table(rows, ["component", "size", "blake3"]))
     else:
         lines.append("no complete save")
@@ -271,7 +302,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.svg:
         with open(args.svg, "w") as f:
             f.write(render_timeline_svg(rec))
-    _emit(args, rec, render_table(rec))
+    _emit(args, rec, render_table(sanitize(rec)))
     return 0
 
 
@@ -286,9 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ckptstore",
         description="Crash-consistent training checkpoints. Without a command: a save / crash / resume demonstration.",
     )
+    p.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = p.add_subparsers(dest="command")
 
+    def debug_flag(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print the traceback of a failure")
+
     def common(sp: argparse.ArgumentParser) -> None:
+        debug_flag(sp)
         sp.add_argument("url", help="store URL: a directory, file://, memory://, s3://bucket/prefix, gs://bucket/prefix")
         sp.add_argument("run", help="run ID")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
@@ -339,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
     sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
+    debug_flag(sp)
     sp.set_defaults(fn=cmd_demo)
 
     sp = sub.add_parser("drill", help="the recovery drill (the default command)")
@@ -350,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mtbi-steps", type=float, default=40.0, help="expected steps between interruptions")
     sp.add_argument("--verbose", action="store_true", help="echo the trainer processes' output")
     sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE")
+    debug_flag(sp)
     sp.set_defaults(fn=cmd_drill)
 
     sp = sub.add_parser("report", help="the operator record of a run, from the store alone")
@@ -362,22 +401,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fail(message: str) -> None:
+    """One line on stderr: redacted, escaped (a newline in a message cannot
+    start a forged line)."""
+    print(escape(redact_text(message, _SECRETS), backslash=False), file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["drill"])
+        args = parser.parse_args(["drill", *(["--debug"] if getattr(args, "debug", False) else [])])
+    del _SECRETS[:]
+    _SECRETS.extend(secret_values())
+    debug = bool(getattr(args, "debug", False))
     try:
         return int(args.fn(args))
     except (InvalidInputError, ExtraRequiredError) as exc:
-        print(f"ckptstore: error: {exc}", file=sys.stderr)
+        _trace(debug)
+        _fail(f"ckptstore: error: {exc}")
         return 2
     except CkptStoreError as exc:
-        print(f"ckptstore: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _trace(debug)
+        _fail(f"ckptstore: {type(exc).__name__}: {exc}")
         return 1
     except KeyboardInterrupt:
-        print("ckptstore: interrupted", file=sys.stderr)
+        _fail("ckptstore: interrupted")
         return 130
+    except OSError as exc:  # a local file the command writes (--svg, --out), a broken pipe
+        _trace(debug)
+        _fail(f"ckptstore: {type(exc).__name__}: {exc}")
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the CLI's contract: one line, never a traceback
+        _trace(debug)
+        hint = "" if debug else " (run with --debug for the traceback)"
+        _fail(f"ckptstore: internal error: {type(exc).__name__}: {exc}{hint}")
+        return 1
+
+
+def _trace(debug: bool) -> None:
+    if debug:
+        sys.stderr.write(redact_text(traceback.format_exc(), _SECRETS))
 
 
 if __name__ == "__main__":

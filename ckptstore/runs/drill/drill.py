@@ -74,13 +74,12 @@ class Drill:
             "--budget-gpu-hours", str(budget or self.cfg.budget_gpu_hours),
             "--gpu-hours-per-step", str(self.cfg.gpu_hours_per_step),
             "--restart-gpu-hours", str(self.cfg.restart_gpu_hours),
-            *(["--storage-options-json", json.dumps(self.cfg.storage_options)] if self.cfg.storage_options else []),
             *extra,
         ]
 
     def run(self, run_id: str, *extra: str, kill_on: str | None = None, delay: float = 0.0, **kw: Any) -> ProcResult:
         return run_trainer(trainer_cmd(self.url, run_id, *self._args(*extra, **kw)), kill_on=kill_on, delay=delay,
-                           echo=self.cfg.verbose)
+                           echo=self.cfg.verbose, storage_options=self.cfg.storage_options or None)
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         self.checks.append((name, ok, detail))

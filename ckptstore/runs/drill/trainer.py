@@ -336,8 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-gpu-hours", type=float, default=0.25)
     ap.add_argument("--progress-every", type=int, default=1)
     ap.add_argument("--slow-mid-component", type=float, default=0.0, help="test hook: stall inside a component write")
-    ap.add_argument("--storage-options-json", default="", help="fsspec storage options for s3:// and gs:// stores")
+    ap.add_argument("--storage-options-fd", type=int, default=None,
+                    help="read the storage options (JSON) from this inherited descriptor; "
+                         "they never go on the command line, where ps shows them")
     a = ap.parse_args(argv)
+    storage_options = None
+    if a.storage_options_fd is not None:
+        from .proc import read_options_fd
+
+        storage_options = read_options_fd(a.storage_options_fd)
     cfg = TrainConfig(steps=a.steps, save_every=a.save_every, async_save=not a.sync, seed=a.seed)
     try:
         train(
@@ -353,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             budget=Budget(a.budget_gpu_hours, a.gpu_hours_per_step, a.restart_gpu_hours),
             progress_every=a.progress_every,
             slow_mid_component=a.slow_mid_component,
-            storage_options=json.loads(a.storage_options_json) if a.storage_options_json else None,
+            storage_options=storage_options,
         )
     except BudgetStop:
         return 4

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ...errors import CkptStoreError, NotFoundError
+from ...events import validate_events
 from ...identity import RunIdentity, digest_tree
 from ...store import CheckpointStore
 from ...torch import Checkpointer, ResumableSampler, torch_environment
@@ -170,7 +171,10 @@ def spent_so_far(url: Any, run_id: str, budget: Budget, storage_options: dict[st
         st = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options)
     except NotFoundError:
         return 0.0
-    acc = account(st.attempts(), st.events(), budget)
+    attempts = st.attempts()
+    # only well-formed events consistent with the records count (a forged or malformed one never stops a run)
+    ledger = validate_events(st.events(), attempts, identity=st.run_record.get("identity"))
+    acc = account(attempts, ledger.accepted, budget)
     # a restart about to happen costs its start-up too
     return acc.spent_gpu_hours + (budget.restart_gpu_hours if acc.attempts else 0.0)
 

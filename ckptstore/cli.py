@@ -31,6 +31,7 @@ from .terminal import escape, escape_lines, sanitize
 #: invocation (filled while parsing) and the clients' credential variables.
 _SECRETS: list[str] = []
 _OPTION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+_SECRET_OPTION = re.compile(r"secret|passw|token|credential|key|auth|sig", re.IGNORECASE)
 
 
 def esc(value: object) -> str:
@@ -64,7 +65,10 @@ def _parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
             _SECRETS.append(p)
             raise InvalidInputError(f"storage option #{i}: expected KEY=VALUE (the argument is not shown)")
         k, v = p.split("=", 1)
-        _SECRETS.append(v)
+        # never echo a value: a mistyped key may hold a secret. A URL value (an
+        # endpoint) stays readable: its password is masked by URL redaction.
+        if "://" not in v or _SECRET_OPTION.search(k):
+            _SECRETS.append(v)
         if not _OPTION_KEY.fullmatch(k):
             raise InvalidInputError(f"storage option #{i}: malformed key (expected letters, digits, '_', '.', '-')")
         val: Any = v

@@ -324,3 +324,25 @@ def test_drill_argv_carries_no_storage_options(tmp_path: Path) -> None:
                           storage_options={"secret": "topsecretvalue"}), log=lambda *_: None)
     d.interval = 5
     assert not any("topsecretvalue" in a for a in d._args())
+
+
+@pytest.mark.slow
+def test_the_trainer_receives_its_storage_options_through_the_pipe(tmp_path: Path) -> None:
+    """End to end: the options (here the local store's modes) take effect in the
+    child although they never appear on its command line."""
+    import stat
+
+    from ckptstore.drill.proc import trainer_cmd
+
+    old = os.umask(0o022)
+    try:
+        r = run_trainer(trainer_cmd(str(tmp_path / "s"), "r", "--steps", "3", "--save-every", "2", "--sync"),
+                        storage_options={"file_mode": "0o640", "dir_mode": "0o750"}, timeout=300)
+    finally:
+        os.umask(old)
+    assert r.returncode == 0, r.lines[-20:]
+    modes = set()
+    for dirpath, dirs, files in os.walk(tmp_path / "s" / "r"):
+        modes |= {("f", stat.S_IMODE(os.lstat(os.path.join(dirpath, f)).st_mode)) for f in files}
+        modes |= {("d", stat.S_IMODE(os.lstat(os.path.join(dirpath, d)).st_mode)) for d in dirs}
+    assert modes == {("f", 0o640), ("d", 0o750)}

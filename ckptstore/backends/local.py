@@ -44,6 +44,7 @@ from typing import Any
 
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from ..protocol.layout import RESERVED_MARK as TMP_MARK
+from ..redact import redact_text
 from .base import Backend, Buffer, Capabilities, ObjectInfo, check_key
 
 
@@ -380,7 +381,7 @@ class LocalBackend(Backend):
             return StoreUnavailableError(f"{self.root}: no space left while writing {key!r}")
         if isinstance(exc, PermissionError):
             return StoreUnavailableError(f"{self.root}: permission denied writing {key!r}")
-        return StoreUnavailableError(f"{self.root}: I/O error on {key!r}: {exc}")
+        return StoreUnavailableError(redact_text(f"{self.root}: I/O error on {key!r}: {exc}"))
 
     # -- interface -------------------------------------------------------
     def get(self, key: str) -> bytes:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..events import RejectedEvent, confirm_budget_stop, confirm_finished, validate_events
 from ..protocol.selection import SaveState
+from ..redact import redact_url
 from ..store import CheckpointStore
 from .budget import Budget, account, compare_costs
 
@@ -90,7 +91,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
             k: v for k, v in e.get("payload", {}).items() if k in ("step", "seconds", "resumed_from", "save_id")}})
     return {
         "run_id": store.run_id,
-        "store": store.backend.url,
+        "store": redact_url(store.backend.url),
         "identity": run["identity"],
         "lineage": run.get("lineage"),
         "budget": budget.to_json(),

@@ -34,6 +34,8 @@ from typing import Any
 
 from ...store import CheckpointStore
 from ..budget import Budget, account, young_daly_interval
+from ...events import validate_events
+from ...redact import redact_url
 from ..report import build_record, render_table, render_timeline_svg
 from .proc import ProcResult, run_trainer, trainer_cmd
 
@@ -102,7 +104,7 @@ class Drill:
         import ckptstore
 
         code = digest_tree(os.path.dirname(ckptstore.__file__))
-        self.log(f"    store            {self.url}")
+        self.log(f"    store            {redact_url(self.url)}")
         self.log(f"    data snapshot    {snap.data_digest}  ({len(snap.labels)} receipts, "
                  f"{len(snap.train_idx)} train / {len(snap.eval_idx)} eval, split {snap.split_digest})")
         self.log(f"    feature contract {snap.feature_contract} ({snap.features.shape[1]} features)")
@@ -287,8 +289,10 @@ class Drill:
                                                                   "interruptions", "wasted_steps")},
             "elapsed_s": round(time.monotonic() - self.t0, 1),
         }
-        clean_acc = account(self.reader("receipts-clean").attempts(),
-                            self.reader("receipts-clean").events(), self.budget)
+        clean = self.reader("receipts-clean")
+        clean_attempts = clean.attempts()
+        clean_events = validate_events(clean.events(), clean_attempts, identity=clean.run_record.get("identity"))
+        clean_acc = account(clean_attempts, clean_events.accepted, self.budget)
         rec["drill"]["clean_spent_gpu_hours"] = clean_acc.spent_gpu_hours
         (self.out / "record.json").write_text(json.dumps(rec, indent=2, sort_keys=True, default=str))
         (self.out / "timeline.svg").write_text(render_timeline_svg(rec))
@@ -316,7 +320,7 @@ class Drill:
                  f"{len(self.checks)} checks in {time.monotonic() - self.t0:.0f} s; "
                  f"promotion eligible: {rec['promotion']['eligible']}")
         self.log(f"record: {self.out / 'record.json'}, {self.out / 'record.txt'}, timeline: {self.out / 'timeline.svg'}")
-        self.log(f"again from the store alone: ckptstore report {self.url} receipts")
+        self.log(f"again from the store alone: ckptstore report {redact_url(self.url)} receipts")
         return 0 if not failed else 1
 
 

@@ -34,7 +34,7 @@ SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 #: ``user:password@`` right after ``//`` even where the rest does not parse as a URL.
 _USERINFO = re.compile(r"(//[^/@\s:'\"]*):([^@\s/'\"]*)@")
-_MIN_SECRET = 4
+_MIN_SECRET = 6  # shorter values ("anon", "true") are no credentials and would garble output
 
 
 def redact_url(url: str) -> str:

@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import CkptStoreError, ExtraRequiredError, InvalidInputError
 from .redact import redact_text, secret_values
@@ -316,8 +316,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.store)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line too (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(f"{self.prog}: error: {message} (see --help)")
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ckptstore",
         description="Crash-consistent training checkpoints. Without a command: a save / crash / resume demonstration.",
     )

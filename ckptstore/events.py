@@ -35,11 +35,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from .protocol.layout import MAX_STEP
+
 if TYPE_CHECKING:
     from .runs.budget import Accounting, Budget
 
-#: The protocol's step range (PROTOCOL.md §1).
-MAX_STEP = 10**12 - 1
 #: Plausible wall-clock range of an event's ``at`` (seconds since the epoch).
 MAX_AT = 1e11
 KNOWN_KINDS = frozenset({"start", "resume", "progress", "first-step", "save", "preempted", "budget-exhausted",

@@ -361,3 +361,12 @@ def test_the_trainer_receives_its_storage_options_through_the_pipe(tmp_path: Pat
         modes |= {("f", stat.S_IMODE(os.lstat(os.path.join(dirpath, f)).st_mode)) for f in files}
         modes |= {("d", stat.S_IMODE(os.lstat(os.path.join(dirpath, d)).st_mode)) for d in dirs}
     assert modes == {("f", 0o640), ("d", 0o750)}
+
+
+def test_the_drills_console_escapes_and_redacts(capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptstore.runs.drill.drill import _terminal_log
+
+    _terminal_log("      REFUSED CorruptionError: http://u:hunter2pass@h/x: " + EVIL)
+    out = capsys.readouterr().out
+    assert_clean(out)
+    assert "hunter2pass" not in out and "\\x1b]0;pwned" in out

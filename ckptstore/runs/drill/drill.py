@@ -35,7 +35,8 @@ from typing import Any
 from ...store import CheckpointStore
 from ..budget import Budget, account, young_daly_interval
 from ...events import validate_events
-from ...redact import redact_url
+from ...redact import redact_text, redact_url
+from ...terminal import escape_lines, sanitize
 from ..report import build_record, render_table, render_timeline_svg
 from .proc import ProcResult, run_trainer, trainer_cmd
 
@@ -57,9 +58,9 @@ class DrillConfig:
 
 
 class Drill:
-    def __init__(self, cfg: DrillConfig, log: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: DrillConfig, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
-        self.log = log
+        self.log = log or _terminal_log
         self.url = cfg.store or tempfile.mkdtemp(prefix="ckptstore-drill-")
         self.out = Path(cfg.out_dir)
         self.checks: list[tuple[str, bool, str]] = []
@@ -298,7 +299,7 @@ class Drill:
         (self.out / "timeline.svg").write_text(render_timeline_svg(rec))
         (self.out / "budget-record.json").write_text(json.dumps(self.budget_record, indent=2, sort_keys=True))
         (self.out / "budget-timeline.svg").write_text(render_timeline_svg(self.budget_record))
-        table = render_table(rec)
+        table = render_table(sanitize(rec))
         (self.out / "record.txt").write_text(table + "\n")
         self.log(table)
         self.log(f"    elapsed spend: clean run {clean_acc.spent_gpu_hours:.2f} GPU-h, "
@@ -322,6 +323,12 @@ class Drill:
         self.log(f"record: {self.out / 'record.json'}, {self.out / 'record.txt'}, timeline: {self.out / 'timeline.svg'}")
         self.log(f"again from the store alone: ckptstore report {redact_url(self.url)} receipts")
         return 0 if not failed else 1
+
+
+def _terminal_log(text: str) -> None:
+    """The drill's console: store-derived text (child processes' refusals, skip
+    details) is escaped and redacted before it reaches the terminal."""
+    print(redact_text(escape_lines(text)), flush=True)
 
 
 def run_drill(cfg: DrillConfig) -> int:

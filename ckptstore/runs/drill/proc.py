@@ -20,6 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...redact import redact_text
+from ...terminal import escape
+
 #: The trainer's option naming the inherited descriptor that carries the storage options.
 OPTIONS_FD_FLAG = "--storage-options-fd"
 
@@ -77,7 +80,7 @@ def run_trainer(
         line = line.rstrip("\n")
         lines.append(line)
         if echo:
-            print("    |", line, flush=True)
+            print("    |", redact_text(escape(line)), flush=True)
         if kill_on is not None and not killed and line.startswith(kill_on):
             time.sleep(delay)
             p.send_signal(sig)

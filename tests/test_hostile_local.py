@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -320,3 +321,60 @@ def test_modes_are_configurable(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError) as ei:
         CheckpointStore.open(tmp_path / "d", "run", identity=IDENT, storage_options={"secret_key": "hunter2"})
     assert "secret_key" in str(ei.value) and "hunter2" not in str(ei.value)
+
+
+@pytest.mark.parametrize("swap", ["fifo", "symlink"])
+def test_an_entry_swapped_after_the_check_is_refused_without_blocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: str
+) -> None:
+    """The race an lstat-then-open check alone would lose: the regular file is
+    replaced between the check and the open. O_NOFOLLOW | O_NONBLOCK and the
+    fstat comparison refuse it, and nothing blocks."""
+    import threading
+
+    b = LocalBackend(tmp_path / "store")
+    b.put("k/obj", [b"x" * 10])
+    target = tmp_path / "store" / "k" / "obj"
+    real_open = os.open
+
+    def swapping_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if path == "obj" and kwargs.get("dir_fd") is not None and not flags & (os.O_WRONLY | os.O_DIRECTORY):
+            target.unlink()
+            if swap == "fifo":
+                os.mkfifo(target)
+            else:
+                target.symlink_to("/dev/zero")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swapping_open)
+    outcome: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            outcome.append(b.get("k/obj"))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            outcome.append(exc)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the read blocked"
+    assert len(outcome) == 1 and isinstance(outcome[0], NotFoundError), outcome
+
+
+def test_gc_of_a_partial_save_holding_links_deletes_only_its_regular_files(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    out = outside_dir(tmp_path)
+    st, _old, _new = two_saves(root)
+    w = st.save(3)  # a killed writer: components, no commit
+    w.put("model", b"weights-3")
+    partial = next(p for p in (root / "run" / "saves").iterdir() if p.name.startswith("000000000003-"))
+    (partial / "escape").symlink_to(out)
+    (partial / "optimizer").symlink_to(out / "optimizer")
+    os.link(out / "keep.txt", partial / "hard")  # a hard link to an outside file
+    before = snapshot(out)
+    p = cli("gc", str(root), "run", "--apply", "--keep-last", "1", "--grace", "0")
+    assert p.returncode == 0, p.stderr
+    assert snapshot(out) == before
+    assert not (partial / "model").exists()
+    assert (out / "keep.txt").read_text() == "do not touch"

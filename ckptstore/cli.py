@@ -249,11 +249,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "identity_digest": store.identity_digest,
         "lineage": run.get("lineage"),
         "created_at": run.get("created_at"),
-        "attempts": [
-            {"attempt": a.number, "resumed_from": a.resumed_from, "writer_id": a.writer_id,
-             "created_at": a.created_at, "abandons": list(a.abandons), "host": a.host}
-            for a in attempts
-        ],
+        "attempts": [a.to_record() for a in attempts],
         "save": _ref_json(ref) if ref else None,
     }
     lines = [f"run {esc(store.run_id)} at {esc(redact_text(store.backend.url))}", "identity:"]

@@ -19,6 +19,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -95,7 +96,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
     rep = store.sign()
     obj = {"signed": rep.signed, "already": rep.already, "refused": rep.refused}
     lines = [f"signed {len(rep.signed)} record(s), {len(rep.already)} already authenticated"]
-    lines += [f"  not signed: {k}: {why}" for k, why in sorted(rep.refused.items())]
+    lines += [f"  not signed: {esc(k)}: {esc(why)}" for k, why in sorted(rep.refused.items())]
     _emit(args, obj, "\n".join(lines))
     return 0
 
@@ -427,6 +428,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     del _SECRETS[:]
     _SECRETS.extend(secret_values())
     debug = bool(getattr(args, "debug", False))
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning  # e.g. unauthenticated records under --auth-policy warn
+        return _run(args, debug)
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """A warning is one escaped, redacted line too (its text may quote store keys)."""
+    _fail(f"ckptstore: warning: {message}")
+
+
+def _run(args: argparse.Namespace, debug: bool) -> int:
     try:
         return int(args.fn(args))
     except (InvalidInputError, ExtraRequiredError) as exc:

@@ -29,7 +29,7 @@ _SECRET_KEY_RE = re.compile(r"secret|passw|token|credential|signature|session|pr
 _SECRET_QUERY_RE = re.compile(r"signature|credential|token|secret|passw|sig$|^sig|key|auth", re.IGNORECASE)
 #: Environment variables of the storage clients that hold credentials.
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "GOOGLE_OAUTH_ACCESS_TOKEN",
-              "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN")
+              "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "CKPTSTORE_AUTH_KEYS")
 #: A URL with a scheme inside free text (stops at whitespace and quotes).
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 #: ``user:password@`` right after ``//`` even where the rest does not parse as a URL.
@@ -87,6 +87,8 @@ def secret_values(options: Mapping[str, Any] | None = None, *, environ: Mapping[
         v = env.get(name)
         if v and len(v) >= _MIN_SECRET:
             out.add(v)
+            if name == "CKPTSTORE_AUTH_KEYS":  # ID:HEX[,ID:HEX...]: each key on its own too
+                out.update(p.partition(":")[2].strip() for p in v.split(",") if len(p.partition(":")[2].strip()) >= _MIN_SECRET)
     return sorted(out, key=len, reverse=True)  # longest first: a secret containing another is masked whole
 
 

@@ -371,3 +371,18 @@ def test_the_drills_console_escapes_and_redacts(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert_clean(out)
     assert "hunter2pass" not in out and "\\x1b]0;pwned" in out
+
+
+def test_auth_warnings_are_escaped_lines_and_keys_never_printed(tmp_path: Path) -> None:
+    st = CheckpointStore.open(tmp_path / "s", "run", identity=IDENT)  # written without a key: unauthenticated
+    with st.save(1) as s:
+        s.put("m", b"x")
+    hexkey = "ab" * 32
+    env = {"CKPTSTORE_AUTH_KEYS": f"k1:{hexkey}"}
+    p = run_cli("ls", str(tmp_path / "s"), "run", "--auth-policy", "warn", env=env)
+    assert p.returncode == 0, p.stderr
+    warned = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert warned and all(ln.startswith("ckptstore: warning: ") for ln in warned), p.stderr
+    assert hexkey not in p.stdout + p.stderr
+    assert secret_values(environ=env) and hexkey in secret_values(environ=env)
+    assert redact_text(f"boom {hexkey}", secret_values(environ=env)) == "boom ***"

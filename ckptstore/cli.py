@@ -33,11 +33,8 @@ from .terminal import escape, escape_lines, sanitize
 _SECRETS: list[str] = []
 _OPTION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _SECRET_OPTION = re.compile(r"secret|passw|token|credential|key|auth|sig", re.IGNORECASE)
-
-
-def esc(value: object) -> str:
-    """A store-derived value, safe for the terminal (one line, visible escapes)."""
-    return escape(value)
+#: A store-derived value, safe for the terminal (one line, visible escapes).
+esc = escape
 
 
 def _human_bytes(n: int) -> str:
@@ -433,8 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, debug)
 
 
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                  file: Any = None, line: str | None = None) -> None:
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
     """A warning is one escaped, redacted line too (its text may quote store keys)."""
     _fail(f"ckptstore: warning: {message}")
 
@@ -446,14 +443,10 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
         _trace(debug)
         _fail(f"ckptstore: error: {exc}")
         return 2
-    except CkptStoreError as exc:
-        _trace(debug)
-        _fail(f"ckptstore: {type(exc).__name__}: {exc}")
-        return 1
     except KeyboardInterrupt:
         _fail("ckptstore: interrupted")
         return 130
-    except OSError as exc:  # a local file the command writes (--svg, --out), a broken pipe
+    except (CkptStoreError, OSError) as exc:  # OSError: a local file the command writes (--svg), a broken pipe
         _trace(debug)
         _fail(f"ckptstore: {type(exc).__name__}: {exc}")
         return 1

@@ -15,26 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
-import traceback
-import warnings
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-from .errors import CkptStoreError, ExtraRequiredError, InvalidInputError
-from .redact import redact_text, secret_values
+from .cliout import OneLineParser, emit, esc, parse_options, run_guarded
+from .errors import ExtraRequiredError
+from .redact import redact_text
 from .store import CheckpointStore, SaveRef
-from .terminal import escape, escape_lines, sanitize
+from .terminal import sanitize
 
-#: Values that must never be printed: the ``-o`` option values of this
-#: invocation (filled while parsing) and the clients' credential variables.
-_SECRETS: list[str] = []
-_OPTION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
-_SECRET_OPTION = re.compile(r"secret|passw|token|credential|key|auth|sig", re.IGNORECASE)
-#: A store-derived value, safe for the terminal (one line, visible escapes).
-esc = escape
+_parse_options = parse_options
+_emit = emit
 
 
 def _human_bytes(n: int) -> str:
@@ -52,28 +45,6 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
-
-
-def _parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """``-o KEY=VALUE`` pairs. A malformed one is refused naming at most its
-    key: a value (or a whole argument without ``=``) may be a credential."""
-    out: dict[str, Any] = {}
-    for i, p in enumerate(pairs or [], 1):
-        if "=" not in p:
-            _SECRETS.append(p)
-            raise InvalidInputError(f"storage option #{i}: expected KEY=VALUE (the argument is not shown)")
-        k, v = p.split("=", 1)
-        # never echo a value: a mistyped key may hold a secret. A URL value (an
-        # endpoint) stays readable: its password is masked by URL redaction.
-        if "://" not in v or _SECRET_OPTION.search(k):
-            _SECRETS.append(v)
-        if not _OPTION_KEY.fullmatch(k):
-            raise InvalidInputError(f"storage option #{i}: malformed key (expected letters, digits, '_', '.', '-')")
-        val: Any = v
-        if v.lower() in ("true", "false"):
-            val = v.lower() == "true"
-        out[k] = val
-    return out
 
 
 def _open(args: argparse.Namespace, *, default_policy: str = "off") -> CheckpointStore:
@@ -108,17 +79,6 @@ def _ref_json(ref: SaveRef) -> dict[str, Any]:
         "components": {n: c.to_json() for n, c in sorted(ref.components.items())},
         "metadata": ref.metadata,
     }
-
-
-def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
-    """Print the result. JSON escapes every control character itself
-    (``ensure_ascii``); text is escaped line by line as a last line of defence
-    (store-derived values in it were escaped where they were formatted)."""
-    if args.json:
-        out = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=True)
-    else:
-        out = escape_lines(text)
-    print(redact_text(out, _SECRETS))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -314,16 +274,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.store)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors are one line too (``--help`` shows the usage)."""
-
-    def error(self, message: str) -> NoReturn:
-        _fail(f"ckptstore: error: {message} (see {self.prog} --help)")
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="ckptstore",
         description="Crash-consistent training checkpoints. Without a command: a save / crash / resume demonstration.",
     )
@@ -411,10 +363,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(message: str) -> None:
-    """One line on stderr: redacted, escaped (a newline in a message cannot
-    start a forged line)."""
-    print(escape(redact_text(message, _SECRETS), backslash=False), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -422,44 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["drill", *(["--debug"] if getattr(args, "debug", False) else [])])
-    del _SECRETS[:]
-    _SECRETS.extend(secret_values())
-    debug = bool(getattr(args, "debug", False))
-    with warnings.catch_warnings():
-        warnings.showwarning = _show_warning  # e.g. unauthenticated records under --auth-policy warn
-        return _run(args, debug)
-
-
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
-                  line: str | None = None) -> None:
-    """A warning is one escaped, redacted line too (its text may quote store keys)."""
-    _fail(f"ckptstore: warning: {message}")
-
-
-def _run(args: argparse.Namespace, debug: bool) -> int:
-    try:
-        return int(args.fn(args))
-    except (InvalidInputError, ExtraRequiredError) as exc:
-        _trace(debug)
-        _fail(f"ckptstore: error: {exc}")
-        return 2
-    except KeyboardInterrupt:
-        _fail("ckptstore: interrupted")
-        return 130
-    except (CkptStoreError, OSError) as exc:  # OSError: a local file the command writes (--svg), a broken pipe
-        _trace(debug)
-        _fail(f"ckptstore: {type(exc).__name__}: {exc}")
-        return 1
-    except Exception as exc:  # noqa: BLE001 - the CLI's contract: one line, never a traceback
-        _trace(debug)
-        hint = "" if debug else " (run with --debug for the traceback)"
-        _fail(f"ckptstore: internal error: {type(exc).__name__}: {exc}{hint}")
-        return 1
-
-
-def _trace(debug: bool) -> None:
-    if debug:
-        sys.stderr.write(redact_text(traceback.format_exc(), _SECRETS))
+    return run_guarded(args)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ CORE_ORDER = [
     "streams",
     "backends.base",
     "backends.memory",
+    "backends.posix",
     "backends.local",
     "backends.fsspec_base",
     "backends.s3",

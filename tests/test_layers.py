@@ -18,6 +18,7 @@ PKG = Path(__file__).resolve().parents[1] / "ckptstore"
 # (and itself-level siblings of the protocol package, which is one layer).
 CORE_ORDER = [
     "errors",
+    "redact",
     "protocol",
     "identity",
     "retry",

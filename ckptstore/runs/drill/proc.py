@@ -92,7 +92,7 @@ def run_trainer(
             break
     rest, err = p.communicate(timeout=60)
     lines += rest.splitlines()
-    if p.returncode not in (0, 3, 4, -signal.SIGKILL, -signal.SIGTERM) and err:
+    if p.returncode not in (0, 3, 4, 75, -signal.SIGKILL, -signal.SIGTERM) and err:
         lines += ["STDERR " + ln for ln in err.splitlines()[-20:]]
     return ProcResult(p.returncode, lines, killed, time.monotonic() - t0)
 

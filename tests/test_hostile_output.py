@@ -15,11 +15,11 @@ import pytest
 
 from ckptstore import CheckpointStore, cli
 from ckptstore.backends.local import LocalBackend
-from ckptstore.events import planned_steps, validate_events
 from ckptstore.protocol import canonical_json
 from ckptstore.redact import redact_options, redact_text, redact_url, secret_values
 from ckptstore.runs.budget import Budget
 from ckptstore.runs.drill.proc import run_trainer
+from ckptstore.runs.events import planned_steps, validate_events
 from ckptstore.runs.report import build_record, render_table
 from ckptstore.terminal import escape, escape_lines, sanitize
 

@@ -6,7 +6,7 @@ and saves, and returns a JSON-able dict; ``render_table`` and
 
 What it trusts (protocol_spec/THREATS.md): the protocol records. Ledger events
 are claims, validated and confirmed against the records by
-:mod:`ckptstore.events`; the ones that fail are listed under
+:mod:`ckptstore.runs.events`; the ones that fail are listed under
 ``rejected_events`` and count for nothing.
 """
 
@@ -16,11 +16,11 @@ import html
 import time
 from typing import Any
 
-from ..events import RejectedEvent, confirm_budget_stop, confirm_finished, validate_events
 from ..protocol.selection import SaveState
 from ..redact import redact_url
 from ..store import CheckpointStore
 from .budget import Budget, account, compare_costs
+from .events import RejectedEvent, confirm_budget_stop, confirm_finished, validate_events
 
 
 def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: bool = True) -> dict[str, Any]:

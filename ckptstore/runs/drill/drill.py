@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...events import validate_events
 from ...redact import redact_text, redact_url
 from ...store import CheckpointStore
 from ...terminal import escape_lines, sanitize
 from ..budget import Budget, account, young_daly_interval
+from ..events import validate_events
 from ..report import build_record, render_table, render_timeline_svg
 from .proc import ProcResult, run_trainer, trainer_cmd
 

@@ -33,12 +33,12 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ...errors import CkptStoreError, NotFoundError
-from ...events import validate_events
 from ...identity import RunIdentity, digest_tree
 from ...store import CheckpointStore
 from ...torch import Checkpointer, ResumableSampler, torch_environment
 from ..budget import Budget, account
 from ..decision import Action, plan_resume
+from ..events import validate_events
 from .data import CLASSES, Snapshot, make_snapshot
 
 

@@ -35,10 +35,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from .protocol.layout import MAX_STEP
+from ..protocol.layout import MAX_STEP
 
 if TYPE_CHECKING:
-    from .runs.budget import Accounting, Budget
+    from .budget import Accounting, Budget
 
 #: Plausible wall-clock range of an event's ``at`` (seconds since the epoch).
 MAX_AT = 1e11

@@ -48,8 +48,8 @@ from typing import Any
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
+from ckptstore.registry import backend_from_url
 from ckptstore.testing.invariants import invariant_1_violations
-from ckptstore.urls import backend_from_url
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,9 @@ import threading
 import time
 
 from ckptstore import CheckpointStore, CkptStoreError, SupersededError
+from ckptstore.faults import FaultyBackend
+from ckptstore.registry import backend_from_url
 from ckptstore.retry import RetryPolicy
-from ckptstore.testing.faults import FaultyBackend
-from ckptstore.urls import backend_from_url
 
 IDENT = {"data_digest": "race", "code_digest": "race"}
 WAIT_S = 90.0

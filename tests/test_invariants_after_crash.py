@@ -30,8 +30,8 @@ from ckptstore import CheckpointStore, SaveAbortedError
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import MemoryBackend
+from ckptstore.faults import Crashed, FaultyBackend
 from ckptstore.retry import RetryPolicy
-from ckptstore.testing.faults import Crashed, FaultyBackend
 from ckptstore.testing.invariants import (
     assert_invariant_1,
     commits_of_step,
@@ -223,7 +223,7 @@ def test_processes_racing_to_open_get_distinct_attempts_and_fencing_holds(
         url, opts = request.getfixturevalue("object_servers").url_and_options(
             backend_kind, f"race-{uuid.uuid4().hex[:8]}"
         )
-    from ckptstore.urls import backend_from_url
+    from ckptstore.registry import backend_from_url
 
     backend = backend_from_url(url, storage_options=opts or None)
     run = "run"

@@ -30,10 +30,10 @@ import pytest
 
 from backends.servers import BUCKET, FakeGcs, SeaweedFS, Server
 from ckptstore import CheckpointStore, CommitUnknownError, SaveAbortedError, StoreUnavailableError
+from ckptstore.registry import backend_from_url
 from ckptstore.retry import RetryPolicy
 from ckptstore.testing.invariants import assert_invariant_1, commits_of_step
 from ckptstore.testing.wireproxy import Fault, Request, WireProxy
-from ckptstore.urls import backend_from_url
 
 IDENT = {"data_digest": "restart", "code_digest": "restart"}
 NAMES = ("model", "optim")

@@ -36,10 +36,10 @@ from ckptstore import (
     StoreUnavailableError,
 )
 from ckptstore.backends.base import Backend
+from ckptstore.registry import backend_from_url
 from ckptstore.retry import RetryPolicy
 from ckptstore.testing.invariants import assert_invariant_1, commits_of_step, raw_commits
 from ckptstore.testing.wireproxy import Fault, Request, WireProxy
-from ckptstore.urls import backend_from_url
 
 backend_kinds = ["moto", "fakegcs"]
 

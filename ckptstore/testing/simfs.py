@@ -14,7 +14,7 @@ its subtree with it. Up to ``limit`` states are enumerated exhaustively;
 beyond that, a seeded sample is drawn.
 
 ``crash_after`` makes the N-th mutating system call raise
-:class:`~ckptstore.testing.faults.Crashed` before it takes effect, so the
+:class:`~ckptstore.faults.Crashed` before it takes effect, so the
 moment of the power loss can be every syscall boundary of a save.
 """
 
@@ -28,12 +28,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ..backends.local import PosixOps
-from .faults import Crashed
+from ..faults import Crashed
 
 Entry = tuple[str, object]  # ("f", ino) | ("d", path)
-
-MUTATING = ("open_new", "write", "fsync", "rename", "link", "unlink", "mkdir", "rmdir", "fsync_dir")
-
 
 @dataclass
 class _Inode:
@@ -256,7 +253,8 @@ class SimFS(PosixOps):
         fs._next = self._next
         for (kind, what), c in zip(decisions, combo, strict=True):
             if kind == "entry":
-                path, name = what  # type: ignore[misc]
+                assert isinstance(what, tuple)
+                path, name = str(what[0]), str(what[1])
                 if c:
                     v = self.dirs[path].vol.get(name)
                     if v is None:

@@ -53,6 +53,22 @@ for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("fl
         DTYPE_TO_ST[getattr(torch, _name)] = _st
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
+#: The only dtypes a ``{"__dtype": NAME}`` tag may name. Decoding looks NAME up
+#: here and nowhere else: never ``getattr(torch, NAME)``, which would hand a
+#: hostile save any attribute of the torch module (functions included).
+DTYPE_BY_NAME: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    _d = getattr(torch, _name, None)  # build time, fixed names: the table, not the save, decides
+    if isinstance(_d, torch.dtype):
+        DTYPE_BY_NAME[_name] = _d
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
 
 def _path_str(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
@@ -110,7 +126,10 @@ def flatten(state: Any, *, prefix: str = "") -> Flattened:
                 return x
             return {"__float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
         if isinstance(x, torch.dtype):
-            return {"__dtype": str(x).removeprefix("torch.")}
+            name = str(x).removeprefix("torch.")
+            if DTYPE_BY_NAME.get(name) is not x:
+                raise InvalidInputError(f"{_path_str(path)}: dtype {x} is not in the codec's dtype table")
+            return {"__dtype": name}
         if isinstance(x, tuple):
             return {"__tuple": [walk(v, (*path, i)) for i, v in enumerate(x)]}
         if isinstance(x, list):
@@ -136,6 +155,22 @@ def flatten(state: Any, *, prefix: str = "") -> Flattened:
 
 
 def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Rebuild a state tree. The tree may come from hostile storage: every
+    malformed tag is a :class:`CorruptionError`, never a raw TypeError,
+    AttributeError or RecursionError, and no tag can produce a callable."""
+    try:
+        return _unflatten(tree, tensors)
+    except RecursionError:
+        raise CorruptionError("state tree is nested too deeply to be a saved training state") from None
+
+
+def _bad(tag: str, val: Any) -> CorruptionError:
+    shown = repr(val)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return CorruptionError(f"state tree has a malformed {tag!r} tag: {shown}")
+
+
+def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     def walk(x: Any) -> Any:
         if isinstance(x, list):
             return [walk(v) for v in x]
@@ -143,21 +178,45 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
             if len(x) == 1:
                 (tag, val), = x.items()
                 if tag == "__t":
-                    return _tensor(val)
+                    return _tensor(tag, val)
                 if tag == "__np":
-                    return _tensor(val).numpy()
+                    t = _tensor(tag, val)
+                    try:
+                        return t.numpy()
+                    except (TypeError, RuntimeError):
+                        raise _bad(tag, val) from None
                 if tag == "__tuple":
+                    if not isinstance(val, list):
+                        raise _bad(tag, val)
                     return tuple(walk(v) for v in val)
                 if tag == "__map":
-                    return {k: walk(v) for k, v in val}
+                    if not isinstance(val, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in val):
+                        raise _bad(tag, val)
+                    out: dict[Any, Any] = {}
+                    for k, v in val:
+                        if k is not None and not isinstance(k, (str, int, bool)):
+                            raise _bad(tag, k)
+                        out[k] = walk(v)
+                    return out
                 if tag == "__float":
-                    return float(val)
+                    if not isinstance(val, str) or val not in _NONFINITE:
+                        raise _bad(tag, val)
+                    return _NONFINITE[val]
                 if tag == "__dtype":
-                    return getattr(torch, val)
+                    if not isinstance(val, str) or val not in DTYPE_BY_NAME:
+                        raise _bad(tag, val)
+                    return DTYPE_BY_NAME[val]
+            for k in x:
+                if k.startswith("__"):  # flatten escapes such keys as "__map"; a bare one is no tag we know
+                    raise _bad(k, x[k])
             return {k: walk(v) for k, v in x.items()}
-        return x
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise _bad("value", x)
 
-    def _tensor(k: str) -> torch.Tensor:
+    def _tensor(tag: str, k: Any) -> torch.Tensor:
+        if not isinstance(k, str):
+            raise _bad(tag, k)
         try:
             return tensors[k]
         except KeyError:
@@ -171,7 +230,11 @@ def tree_to_json(tree: Any) -> bytes:
 
 
 def tree_from_json(data: bytes) -> Any:
-    return json.loads(data.decode())
+    """Parse a stored state document; anything malformed is a :class:`CorruptionError`."""
+    try:
+        return json.loads(data.decode())
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CorruptionError(f"state document is not valid JSON: {str(exc)[:200]}") from None
 
 
 # --------------------------------------------------------------- safetensors
@@ -181,7 +244,7 @@ def _raw_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def safetensors_stream(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[int, Iterator[memoryview]]:

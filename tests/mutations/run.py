@@ -16,7 +16,8 @@ snippet that is missing or occurs more than once fails the run loudly
 ("retarget me"): the core is being refactored, and a mutation that silently
 stops applying would report nothing. To retarget after a refactor, change only
 ``file`` and ``snippet`` in the table below; the rule each entry breaks is in
-its ``rule``.
+its ``rule``. (Retargeted once already: from the single ``store.py`` to the
+layered core — writer, fencing, catalog, gcrun, runio, protocol/gcplan.)
 
 Not part of the default test command (it runs the named tests once per
 mutation). Measured wall time: see the README's reliability section.
@@ -55,52 +56,56 @@ T_WIRE = "tests/test_wire_faults.py"
 T_PROTO = "tests/test_protocol.py"
 T_CRASH = "tests/test_crash_consistency.py"
 T_OUT = "tests/test_commit_outcomes.py"
-STORE = "ckptstore/store.py"
+WRITER = "ckptstore/writer.py"
+CATALOG = "ckptstore/catalog.py"
+
+INVENTORY = ("        _verify_inventory(ctx, step, save_id, comps)\n"
+             "        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)\n")
+COMMIT = ('    if not ctx.io.create(commit_key(ctx.io.run_id, step, ctx.attempt.number), record.encode(), '
+          'what="commit record"):\n')
+POST_FENCE = "    try:\n        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=True)\n"
 
 MUTATIONS: list[Mutation] = [
     # ---- the round-1 survivors
     Mutation(
         "inventory-removed",
         "the read-after-write inventory runs before the commit (PROTOCOL §4.3 step 4)",
-        STORE,
-        (("            self._verify_inventory(comps)\n            store._check_not_superseded(self.step, committed=False)",
-          "            store._check_not_superseded(self.step, committed=False)"),),
+        WRITER,
+        ((INVENTORY, "        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)\n"),),
         (f"{T_INV}::test_acknowledged_put_that_is_not_there_is_never_committed",),
         survivor=True,
     ),
     Mutation(
         "inventory-after-commit",
         "the inventory is checked before, not after, the commit record is created",
-        STORE,
-        (("            self._verify_inventory(comps)\n            store._check_not_superseded(self.step, committed=False)",
-          "            store._check_not_superseded(self.step, committed=False)"),
-         ("        try:\n            store._check_not_superseded(self.step, committed=True)",
-          "        self._verify_inventory(comps)\n        try:\n            store._check_not_superseded(self.step, committed=True)")),
+        WRITER,
+        ((INVENTORY, "        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)\n"),
+         (POST_FENCE, "    _verify_inventory(ctx, step, save_id, comps)\n" + POST_FENCE)),
         (f"{T_INV}::test_acknowledged_put_that_is_not_there_is_never_committed",),
         survivor=True,
     ),
     Mutation(
         "gc-components-before-record",
         "gc deletes a save's commit record before its components (PROTOCOL §4.5 step 3)",
-        STORE,
-        (("""            if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
-                actions.append(GcAction(P.commit_key(self.run_id, info.step, info.attempt), reason))
-            for name in sorted(scan.save_objects.get(info.save_id, {})):
-                actions.append(GcAction(P.component_key(self.run_id, info.save_id, name), reason))""",
-          """            for name in sorted(scan.save_objects.get(info.save_id, {})):
-                actions.append(GcAction(P.component_key(self.run_id, info.save_id, name), reason))
-            if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
-                actions.append(GcAction(P.commit_key(self.run_id, info.step, info.attempt), reason))"""),),
+        "ckptstore/gcrun.py",
+        (("""        if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
+            actions.append(GcAction(commit_key(io.run_id, info.step, info.attempt), reason))
+        for name in sorted(scan.save_objects.get(info.save_id, {})):
+            actions.append(GcAction(component_key(io.run_id, info.save_id, name), reason))""",
+          """        for name in sorted(scan.save_objects.get(info.save_id, {})):
+            actions.append(GcAction(component_key(io.run_id, info.save_id, name), reason))
+        if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
+            actions.append(GcAction(commit_key(io.run_id, info.step, info.attempt), reason))"""),),
         (f"{T_INV}::test_crash_at_every_operation_of_gc",),
         survivor=True,
     ),
     Mutation(
         "attempt-plain-put",
         "attempt numbers are registered with create-if-absent (PROTOCOL §4.2 step 3), never a plain put",
-        STORE,
-        (("""            if not self._create(P.attempt_key(self.run_id, below), rec.encode(), what="attempt record"):
+        "ckptstore/fencing.py",
+        (("""            if not self.io.create(attempt_key(self.io.run_id, number), rec.encode(), what="attempt record"):
                 continue  # another process took this number; try the next one""",
-          """            self.backend.put(P.attempt_key(self.run_id, below), [rec.encode()])"""),),
+          """            self.io.backend.put(attempt_key(self.io.run_id, number), [rec.encode()])"""),),
         (f"{T_INV}::test_processes_racing_to_open_get_distinct_attempts_and_fencing_holds",),
         backends="local",
         survivor=True,
@@ -109,16 +114,16 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "commit-plain-put",
         "the commit record is created with create-if-absent, never overwritten (invariant 2)",
-        STORE,
-        (('        if not store._create(key, data, what="commit record"):',
-          '        store.backend.put(key, [data])\n        if False:'),),
+        WRITER,
+        ((COMMIT, "    ctx.io.backend.put(commit_key(ctx.io.run_id, step, ctx.attempt.number), [record.encode()])\n"
+                  "    if False:\n"),),
         (f"{T_PROTO}::test_threads_racing_one_step_in_one_attempt",
          f"{T_PROTO}::test_second_commit_of_same_step_in_attempt_refused"),
     ),
     Mutation(
         "lost-ack-read-back-is-conflict",
         "an 'already exists' after a lost reply is settled by reading the record back (§4.3 step 6)",
-        STORE,
+        "ckptstore/runio.py",
         (("            return existing == data\n", "            return False\n"),),
         (f"{T_OUT}::test_lost_ack_on_commit_commits_exactly_once",
          f"{T_WIRE}::test_lost_acknowledgement_of_the_commit_is_real_and_settled"),
@@ -127,57 +132,56 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "unknown-outcome-deletes-components",
         "after CommitUnknownError the writer keeps its components: the record may have landed (§4.3 step 6)",
-        STORE,
-        (('        if not store._create(key, data, what="commit record"):',
-          ('        try:\n            created = store._create(key, data, what="commit record")\n'
-           '        except BaseException:\n            self._abort()\n            raise\n        if not created:')),),
+        WRITER,
+        ((COMMIT, "    try:\n        created = ctx.io.create(commit_key(ctx.io.run_id, step, ctx.attempt.number), "
+                  'record.encode(), what="commit record")\n'
+                  "    except BaseException:\n        remove_components(ctx.io, save_id, comps)\n        raise\n"
+                  "    if not created:\n"),),
         (f"{T_WIRE}::test_every_commit_answer_lost_is_unknown_and_nothing_is_lost",),
         backends="moto,fakegcs",
     ),
     Mutation(
         "no-pre-commit-fence",
         "a superseded writer publishes nothing (§4.3 step 5)",
-        STORE,
-        (("            self._verify_inventory(comps)\n            store._check_not_superseded(self.step, committed=False)\n",
-          "            self._verify_inventory(comps)\n"),),
+        WRITER,
+        ((INVENTORY, "        _verify_inventory(ctx, step, save_id, comps)\n"),),
         (f"{T_INV}::test_processes_racing_to_open_get_distinct_attempts_and_fencing_holds",),
         backends="local",
     ),
     Mutation(
         "no-post-commit-fence",
         "a commit that a newer attempt fenced off is not acknowledged (§4.3 step 7)",
-        STORE,
-        (("        try:\n            store._check_not_superseded(self.step, committed=True)\n",
-          "        try:\n            pass\n"),),
+        WRITER,
+        ((POST_FENCE, "    try:\n        pass\n"),),
         (f"{T_INV}::test_attempt_registered_during_the_commit_fences_it",),
     ),
     Mutation(
         "selection-ignores-sizes",
         "selection checks every component's size (§4.4 step 3)",
-        STORE,
+        CATALOG,
         (("            if size != comp.size:\n", "            if False:\n"),),
         (f"{T_PROTO}::test_damaged_newest_falls_back_with_reason",),
     ),
     Mutation(
         "selection-ignores-digests",
         "deep selection re-hashes every byte (§4.4 step 3)",
-        STORE,
-        (("                if digest != comp.blake3:\n", "                if False:\n"),),
+        CATALOG,
+        (("                elif digest != comp.blake3:\n", "                elif False:\n"),),
         (f"{T_OUT}::test_bit_flip_in_flight_is_caught_before_commit_or_at_read",),
     ),
     Mutation(
         "selection-ignores-fencing",
         "a superseded commit is never selected (§5)",
-        STORE,
-        (("        if later is not None:\n            return None, [(SkipReason.SUPERSEDED",
-          "        if False:\n            return None, [(SkipReason.SUPERSEDED"),),
+        CATALOG,
+        (("        if later is not None:\n            return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED",
+          "        if False:\n            return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED"),),
         (f"{T_PROTO}::test_zombie_commit_that_slipped_through_is_superseded",),
     ),
     Mutation(
         "gc-keeps-too-few",
         "gc keeps the keep_last newest complete saves, always the selected one (invariant 4)",
-        "ckptstore/gc.py",
-        (("            if complete_seen <= keep_last:", "            if complete_seen < keep_last:"),),
+        "ckptstore/protocol/gcplan.py",
+        (("            if complete_seen <= keep_last or", "            if complete_seen < keep_last or"),),
         (f"{T_PROTO}::test_gc_keeps_newest_complete_and_in_flight", f"{T_INV}::test_crash_at_every_operation_of_gc"),
     ),
     Mutation(
@@ -199,7 +203,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "s3-create-unconditional",
         "the S3 commit is a PutObject with If-None-Match: * (§7.1)",
-        "ckptstore/backends/objectstore.py",
+        "ckptstore/backends/s3.py",
         (('Body=data, IfNoneMatch="*")', "Body=data)"),),
         ("tests/test_backend_conformance.py::TestBackendConformance::test_create_if_absent",),
         backends="moto",

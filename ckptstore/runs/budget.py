@@ -22,7 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
+from ..protocol.records import AttemptRecord
 
 
 @dataclass(frozen=True)
@@ -107,16 +108,12 @@ class Accounting:
         }
 
 
-def account(attempts: Iterable[Mapping[str, Any]], events: Iterable[Mapping[str, Any]], budget: Budget) -> Accounting:
-    """Rebuild the accounting from attempt records and ledger events.
-
-    ``attempts``: dicts with ``attempt``, ``resumed_from``, ``created_at``.
-    ``events``: ledger records (``event``, ``attempt``, ``at``, ``payload``).
-    """
+def account(attempts: Iterable[AttemptRecord], events: Iterable[Mapping[str, Any]], budget: Budget) -> Accounting:
+    """Rebuild the accounting from the run's attempt records and ledger events
+    (``CheckpointStore.attempts()``, ``CheckpointStore.events()``)."""
     accts: dict[int, AttemptAccount] = {}
-    for a in sorted(attempts, key=lambda r: int(r["attempt"])):
-        n = int(a["attempt"])
-        accts[n] = AttemptAccount(n, a.get("resumed_from"), a.get("created_at"))
+    for a in sorted(attempts, key=lambda r: r.number):
+        accts[a.number] = AttemptAccount(a.number, a.resumed_from, a.created_at)
     for ev in sorted(events, key=lambda e: float(e.get("at", 0))):
         n = ev.get("attempt")
         if n is None or n not in accts:
@@ -190,4 +187,4 @@ def young_daly_interval(save_cost: float, mtbi: float) -> float:
     (both in the same unit, e.g. steps or seconds)."""
     if save_cost < 0 or mtbi <= 0:
         raise InvalidInputError("save cost must be >= 0 and the mean time between interruptions > 0")
-    return (2 * save_cost * mtbi) ** 0.5
+    return float((2 * save_cost * mtbi) ** 0.5)

@@ -1,5 +1,8 @@
 """A fault-injecting wrapper around any backend.
 
+Public: the recovery drill kills its trainer processes with it, and the test
+suites inject every fault of PROTOCOL.md with it.
+
 Faults are scheduled by operation number (every backend call counts, reads
 included) or by a predicate on (op, key). Each call is recorded in ``trace`` so
 a failing test can print the exact sequence of operations.
@@ -27,15 +30,14 @@ Faults:
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..backends.base import Backend, Buffer, ObjectInfo
-from ..errors import StoreUnavailableError, TransientError
-
-WRITE_OPS = ("put", "create", "delete")
+from .backends.base import Backend, Buffer, ObjectInfo
+from .errors import StoreUnavailableError, TransientError
 
 
 class Crashed(BaseException):
@@ -292,6 +294,17 @@ class FaultyBackend(Backend):
         n, _ = self._begin("delete", key)
         self.inner.delete(key)
         self._end(n, "delete", key, "ok")
+
+    def list_incomplete(self, prefix: str, older_than: float) -> builtins.list[str]:
+        n, _ = self._begin("list_incomplete", prefix)
+        out = self.inner.list_incomplete(prefix, older_than)
+        self._end(n, "list_incomplete", prefix, f"{len(out)} entries")
+        return out
+
+    def remove_incomplete(self, handle: str) -> None:
+        n, _ = self._begin("remove_incomplete", handle)
+        self.inner.remove_incomplete(handle)
+        self._end(n, "remove_incomplete", handle, "ok")
 
     def close(self) -> None:
         self.inner.close()

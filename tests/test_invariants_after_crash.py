@@ -318,3 +318,19 @@ def test_attempt_registered_during_the_commit_fences_it(backend: Backend) -> Non
     do_save(newer[0], 2)
     check_selected(backend, 2, "the newer attempt's commit")
     assert_invariant_1(backend, "run", "after the newer commit")
+
+
+def test_cheap_selection_skips_a_component_of_the_wrong_size(backend: Backend) -> None:
+    """The default (cheap) selection compares sizes from the listing; a
+    component that lost its tail at rest is skipped without reading a byte."""
+    st = CheckpointStore.open(backend, "run", identity=IDENT, retry=FAST)
+    do_save(st, 1)
+    do_save(st, 2)
+    reader = CheckpointStore.open(backend, "run", mode="r")
+    newest = reader.latest_complete()
+    assert newest is not None and newest.step == 2
+    key = f"run/saves/{newest.save_id}/optim"
+    backend.put(key, [backend.get(key)[:-5]])
+    sel = reader.latest_complete(explain=True)
+    assert sel.latest is not None and sel.latest.step == 1
+    assert sel.skipped[0].reason.value == "size-mismatch", sel.skipped

@@ -160,7 +160,7 @@ MUTATIONS: list[Mutation] = [
         "selection checks every component's size (§4.4 step 3)",
         CATALOG,
         (("            if size != comp.size:\n", "            if False:\n"),),
-        (f"{T_PROTO}::test_damaged_newest_falls_back_with_reason",),
+        (f"{T_INV}::test_cheap_selection_skips_a_component_of_the_wrong_size",),
     ),
     Mutation(
         "selection-ignores-digests",

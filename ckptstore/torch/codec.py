@@ -15,6 +15,20 @@ JSON encoding of the non-JSON shapes (tagged single-key objects):
 * ``{"__dtype": "float32"}`` a torch dtype
 * a dict whose keys start with ``__`` is escaped as ``{"__map": ...}`` too.
 
+Lossless encodings of common non-JSON values (see :func:`_encode_extra`):
+
+* ``{"__path": [class name, str]}`` a ``pathlib`` path (``Path``, ``PurePosixPath``, ...)
+* ``{"__set": [...]}`` / ``{"__frozenset": [...]}`` (elements in a canonical order)
+* ``{"__bytes": base64}`` / ``{"__bytearray": base64}``
+* ``{"__datetime": {"iso": ..., "tz": zone key or null, "fold": 0|1}}``, ``{"__date": iso}``,
+  ``{"__timedelta": [days, seconds, microseconds]}``
+* ``{"__device": "cuda:0"}`` a ``torch.device``
+* ``{"__namespace": {...}}`` an ``argparse.Namespace``
+* ``{"__enum": [name, value]}`` / ``{"__dataclass": [name, {field: value}]}`` an enum member
+  or a dataclass instance of a type registered by name in a :class:`TypeRegistry`
+  (the process-wide :data:`TYPES` unless one is passed). An unregistered enum or
+  dataclass is refused with its key path, like every other unsupported object.
+
 The safetensors file is written by a streaming writer here (header + the
 tensors' own memory, no copy into one big bytes object, which
 ``safetensors.torch.save`` would make); it is read back with the
@@ -23,12 +37,18 @@ tensors' own memory, no copy into one big bytes object, which
 
 from __future__ import annotations
 
+import argparse
+import base64
+import dataclasses
+import datetime as _dt
+import enum
 import json
 import math
+import pathlib
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -67,11 +87,14 @@ class Flattened:
     numpy_keys: set[str] = field(default_factory=set)
 
 
-def flatten(state: Any, *, prefix: str = "") -> Flattened:
+def flatten(state: Any, *, prefix: str = "", registry: TypeRegistry | None = None) -> Flattened:
     """Split a state tree into a JSON-able tree and a dict of tensors.
 
     The same tensor object reachable twice (tied weights) is stored once.
+    Enums and dataclasses are encoded only when their type is registered in
+    ``registry`` (default: :data:`TYPES`).
     """
+    types = TYPES if registry is None else registry
     out = Flattened(None)
     by_id: dict[int, str] = {}
 
@@ -88,6 +111,9 @@ def flatten(state: Any, *, prefix: str = "") -> Flattened:
         return k
 
     def walk(x: Any, path: tuple[Any, ...]) -> Any:
+        extra = _encode_extra(x, path, walk, types)
+        if extra is not _NOT_EXTRA:
+            return extra
         if isinstance(x, torch.Tensor):
             if x.is_sparse or x.layout != torch.strided:
                 raise InvalidInputError(f"{_path_str(path)}: sparse/non-strided tensors are not supported")
@@ -135,7 +161,9 @@ def flatten(state: Any, *, prefix: str = "") -> Flattened:
     return out
 
 
-def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor], *, registry: TypeRegistry | None = None) -> Any:
+    types = TYPES if registry is None else registry
+
     def walk(x: Any) -> Any:
         if isinstance(x, list):
             return [walk(v) for v in x]
@@ -154,6 +182,8 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
                     return float(val)
                 if tag == "__dtype":
                     return getattr(torch, val)
+                if tag in EXTRA_TAGS:
+                    return _decode_extra(tag, val, walk, types)
             return {k: walk(v) for k, v in x.items()}
         return x
 
@@ -164,6 +194,170 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
             raise CorruptionError(f"state tree references tensor {k!r}, which is not in the saved tensors") from None
 
     return walk(tree)
+
+
+# ------------------------------------------------- lossless extra encodings
+
+_T = TypeVar("_T", bound=type)
+_NOT_EXTRA: Any = object()
+EXTRA_TAGS = frozenset({
+    "__path", "__set", "__frozenset", "__bytes", "__bytearray", "__datetime", "__date", "__timedelta",
+    "__device", "__namespace", "__enum", "__dataclass",
+})
+_PATH_CLASSES = {c.__name__: c for c in (pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePath,
+                                         pathlib.PurePosixPath, pathlib.PureWindowsPath)}
+
+
+class TypeRegistry:
+    """Enums and dataclasses that may be stored, each under a stable name.
+
+    Only registered types are encoded (and decoded): the name in the JSON
+    picks a class from this table, never an import path from the file.
+    """
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, type] = {}
+        self._by_type: dict[type, str] = {}
+
+    def register(self, cls: _T, name: str | None = None) -> _T:
+        """Register an ``enum.Enum`` subclass or a dataclass; usable as a decorator."""
+        if not isinstance(cls, type) or not (issubclass(cls, enum.Enum) or dataclasses.is_dataclass(cls)):
+            raise InvalidInputError(f"{cls!r}: only enum.Enum subclasses and dataclasses can be registered")
+        key = name or f"{cls.__module__}.{cls.__qualname__}"
+        if self._by_name.get(key, cls) is not cls:
+            raise InvalidInputError(f"type name {key!r} is already registered for {self._by_name[key]!r}")
+        if self._by_type.get(cls, key) != key:
+            raise InvalidInputError(f"{cls!r} is already registered as {self._by_type[cls]!r}")
+        self._by_name[key] = cls
+        self._by_type[cls] = key
+        return cls
+
+    def name_of(self, cls: type) -> str | None:
+        return self._by_type.get(cls)
+
+    def lookup(self, name: str) -> type:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise CorruptionError(
+                f"the save names type {name!r}, which is not registered in this process "
+                "(register it with ckptstore.torch.codec.register_type before loading)"
+            ) from None
+
+
+#: The process-wide registry used when no other is passed.
+TYPES = TypeRegistry()
+
+
+def register_type(cls: _T, name: str | None = None) -> _T:
+    """Register an enum or dataclass in :data:`TYPES` (usable as a decorator)."""
+    return TYPES.register(cls, name)
+
+
+def _sort_key(encoded: Any) -> str:
+    return json.dumps(encoded, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _encode_extra(
+    x: Any, path: tuple[Any, ...], walk: Callable[[Any, tuple[Any, ...]], Any], types: TypeRegistry
+) -> Any:
+    """The tagged encoding of ``x`` when it is one of the extra kinds, else ``_NOT_EXTRA``."""
+    if isinstance(x, enum.Enum):
+        name = types.name_of(type(x))
+        if name is None:
+            raise InvalidInputError(
+                f"{_path_str(path)}: enum {type(x).__module__}.{type(x).__qualname__} is not registered; "
+                "register it with ckptstore.torch.codec.register_type to store it"
+            )
+        return {"__enum": [name, walk(x.value, path)]}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        name = types.name_of(type(x))
+        if name is None:
+            raise InvalidInputError(
+                f"{_path_str(path)}: dataclass {type(x).__module__}.{type(x).__qualname__} is not registered; "
+                "register it with ckptstore.torch.codec.register_type to store it"
+            )
+        fields = {f.name: walk(getattr(x, f.name), (*path, f.name)) for f in dataclasses.fields(x)}
+        return {"__dataclass": [name, fields]}
+    if isinstance(x, pathlib.PurePath):
+        kind = type(x).__name__
+        if kind not in _PATH_CLASSES:
+            kind = "PureWindowsPath" if isinstance(x, pathlib.PureWindowsPath) else "PurePosixPath"
+        return {"__path": [kind, str(x)]}
+    if isinstance(x, (set, frozenset)):
+        items = sorted((walk(v, (*path, "<set item>")) for v in x), key=_sort_key)
+        return {"__frozenset" if isinstance(x, frozenset) else "__set": items}
+    if isinstance(x, (bytes, bytearray)):
+        return {"__bytearray" if isinstance(x, bytearray) else "__bytes": base64.b64encode(bytes(x)).decode()}
+    if isinstance(x, _dt.datetime):
+        tz = x.tzinfo
+        zone: str | None = None
+        if tz is not None and not isinstance(tz, _dt.timezone):
+            zone = getattr(tz, "key", None)  # zoneinfo.ZoneInfo
+            if not isinstance(zone, str):
+                raise InvalidInputError(
+                    f"{_path_str(path)}: datetime with tzinfo {tz!r} cannot be stored losslessly "
+                    "(use datetime.timezone or zoneinfo.ZoneInfo)"
+                )
+            x = x.replace(tzinfo=None)
+        return {"__datetime": {"iso": x.isoformat(), "tz": zone, "fold": x.fold}}
+    if isinstance(x, _dt.date):
+        return {"__date": x.isoformat()}
+    if isinstance(x, _dt.timedelta):
+        return {"__timedelta": [x.days, x.seconds, x.microseconds]}
+    if isinstance(x, torch.device):
+        return {"__device": str(x)}
+    if isinstance(x, argparse.Namespace):
+        return {"__namespace": walk(dict(vars(x)), path)}
+    return _NOT_EXTRA
+
+
+def _decode_extra(tag: str, val: Any, walk: Callable[[Any], Any], types: TypeRegistry) -> Any:
+    try:
+        if tag == "__path":
+            kind, s = val
+            return _PATH_CLASSES[kind](s)
+        if tag == "__set":
+            return {walk(v) for v in val}
+        if tag == "__frozenset":
+            return frozenset(walk(v) for v in val)
+        if tag == "__bytes":
+            return base64.b64decode(val, validate=True)
+        if tag == "__bytearray":
+            return bytearray(base64.b64decode(val, validate=True))
+        if tag == "__datetime":
+            d = _dt.datetime.fromisoformat(val["iso"])
+            if val.get("tz") is not None:
+                from zoneinfo import ZoneInfo
+
+                d = d.replace(tzinfo=ZoneInfo(val["tz"]), fold=int(val.get("fold", 0)))
+            return d
+        if tag == "__date":
+            return _dt.date.fromisoformat(val)
+        if tag == "__timedelta":
+            days, seconds, micro = val
+            return _dt.timedelta(days=days, seconds=seconds, microseconds=micro)
+        if tag == "__device":
+            return torch.device(val)
+        if tag == "__namespace":
+            return argparse.Namespace(**walk(val))
+        if tag == "__enum":
+            name, value = val
+            return types.lookup(name)(walk(value))
+        if tag == "__dataclass":
+            name, fields = val
+            cls = types.lookup(name)
+            values = {k: walk(v) for k, v in fields.items()}
+            init = {f.name: values.pop(f.name) for f in dataclasses.fields(cls) if f.init and f.name in values}
+            obj = cls(**init)
+            for k, v in values.items():
+                object.__setattr__(obj, k, v)
+            return obj
+    except CorruptionError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CorruptionError(f"state tree has a malformed {tag} value: {exc}") from None
+    raise CorruptionError(f"state tree has an unknown tag {tag!r}")
 
 
 def tree_to_json(tree: Any) -> bytes:

@@ -1,0 +1,561 @@
+"""Lightning ``CheckpointIO`` backed by a :class:`~ckptstore.CheckpointStore`.
+
+``Trainer(plugins=[StoreCheckpointIO(url, run_id, identity=...)])`` makes every
+checkpoint Lightning writes (``ModelCheckpoint``, ``trainer.save_checkpoint``)
+one crash-consistent save in the store, and puts a small *pointer file* at the
+path Lightning asked for, so that Lightning's own bookkeeping (file exists,
+``-v1`` versions, ``last.ckpt``, top-k removal, ``ckpt_path=...``) keeps working.
+
+Save, in this order:
+
+1. the checkpoint dict is split per top-level key: tensors go to one
+   safetensors component per key (``tensors/<key>.safetensors``), everything
+   else to ``checkpoint.json`` as the tagged JSON of :mod:`ckptstore.torch.codec`
+   (nothing is pickled; an object it cannot represent is refused here, with its
+   key path, before anything is written);
+2. the save is committed (the store's atomic publication);
+3. the pointer is written atomically (local: temp file + fsync + rename +
+   directory fsync; remote: one fsspec PUT, atomic on object stores).
+
+A crash before 3 leaves no pointer (Lightning sees no file; the store may hold
+a complete save, which :func:`write_pointer_for_latest` can point to). A
+pointer always names a committed save.
+
+A second checkpoint at the same ``global_step`` in the same process (the
+``last.ckpt`` beside the top-k file, a second ``ModelCheckpoint``,
+``trainer.save_checkpoint`` after ``fit``) does not write the tensors again:
+each key's tensors are hashed and compared with the save's component digests;
+keys whose tensors and tree are identical are referenced, keys that differ
+(callback scores, loop counters) are carried inside the pointer, digest-checked,
+up to ``max_inline_bytes``. Different large tensors at the same step are
+refused (a store holds one save per step and attempt).
+
+``remove_checkpoint`` removes only the pointer; the bytes are the store's and
+go through its gc. Loading reads the pointer, checks that the save it names
+still has the same manifest digest, and reads every component verified
+against its BLAKE3 digest.
+
+Pointer file (JSON, one object)::
+
+    {"format": "ckptstore.lightning-pointer/1", "store": URL, "run_id": ...,
+     "step": N, "attempt": A, "save_id": ..., "manifest_digest": ...,
+     "keys": [top-level keys in order], "inline": {key: {"tree": ..., "tensors": base64 safetensors | null}},
+     "inline_digest": BLAKE3 of the canonical JSON of "inline"}
+
+Multi-process: Lightning calls ``save_checkpoint`` on global rank 0 only. The
+store is opened for writing lazily, at the first save, so only that process
+registers an attempt; pass ``url``/``run_id``/``identity`` (not an open store)
+when the strategy spawns processes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
+
+from ..errors import (
+    CommitConflictError,
+    CorruptionError,
+    InvalidInputError,
+    NotFoundError,
+)
+from ..identity import RunIdentity
+from ..store import CheckpointStore, SaveRef
+from ..torch.codec import (
+    TypeRegistry,
+    flatten,
+    load_safetensors,
+    safetensors_stream,
+    tree_from_json,
+    tree_to_json,
+    unflatten,
+)
+
+FORMAT = "ckptstore.lightning/1"
+POINTER_FORMAT = "ckptstore.lightning-pointer/1"
+DOC_COMPONENT = "checkpoint.json"
+DEFAULT_MAX_INLINE_BYTES = 4 << 20
+
+__all__ = [
+    "DOC_COMPONENT",
+    "FORMAT",
+    "POINTER_FORMAT",
+    "AsyncStoreCheckpointIO",
+    "StoreCheckpointIO",
+    "read_pointer",
+    "write_pointer_for_latest",
+]
+
+
+# ------------------------------------------------------------------ encoding
+
+
+@dataclass
+class _Part:
+    """One top-level key of a checkpoint dict, flattened."""
+
+    tree: Any
+    tensors: dict[str, torch.Tensor]
+    component: str | None
+    digest: str | None  # BLAKE3 of the safetensors bytes of ``tensors`` (None: no tensors)
+    size: int
+
+
+def _component_name(key: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", key).lstrip(".-") or "_"
+    if safe != key or len(safe) > 200:
+        safe = f"{safe[:200]}-{blake3.blake3(key.encode()).hexdigest()[:12]}"
+    return f"tensors/{safe}.safetensors"
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    return t
+
+
+def _encode(checkpoint: Mapping[str, Any], registry: TypeRegistry | None) -> dict[str, _Part]:
+    if not isinstance(checkpoint, Mapping):
+        raise InvalidInputError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
+    parts: dict[str, _Part] = {}
+    for key, value in checkpoint.items():
+        if not isinstance(key, str):
+            raise InvalidInputError(f"checkpoint key {key!r} must be a string")
+        try:
+            fl = flatten(value, registry=registry)
+        except InvalidInputError as exc:
+            msg = str(exc)
+            if msg.startswith("state"):
+                msg = f"checkpoint[{key!r}]" + msg[len("state"):]
+            raise InvalidInputError(msg) from None
+        tensors = {k: _cpu(t) for k, t in fl.tensors.items()}
+        comp = None
+        size = 0
+        if tensors:
+            comp = _component_name(key)
+            size, _chunks = safetensors_stream(tensors)
+        parts[key] = _Part(fl.tree, tensors, comp, None, size)
+    return parts
+
+
+def _digest(p: _Part) -> str | None:
+    """BLAKE3 of the part's safetensors bytes (what the store would record), computed once."""
+    if p.digest is None and p.tensors:
+        h = blake3.blake3()
+        for c in safetensors_stream(p.tensors)[1]:
+            h.update(c)
+        p.digest = h.hexdigest()
+    return p.digest
+
+
+def _canonical(x: Any) -> bytes:
+    return tree_to_json(x)
+
+
+def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    _size, chunks = safetensors_stream(tensors)
+    return b"".join(bytes(c) for c in chunks)
+
+
+# ------------------------------------------------------------------ pointer files
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _local(path: str) -> str:
+    return path.removeprefix("file://")
+
+
+def _write_atomic(path: _PATH, data: bytes) -> None:
+    p = os.fspath(path)
+    if _is_remote(p):
+        fs = get_filesystem(p)
+        with fs.open(p, "wb") as f:  # one PUT: atomic on object stores
+            f.write(data)
+        return
+    p = _local(p)
+    d = os.path.dirname(os.path.abspath(p))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".ckptstore-pointer-", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _read_file(path: _PATH) -> bytes:
+    p = os.fspath(path)
+    if _is_remote(p):
+        fs = get_filesystem(p)
+        if not fs.exists(p):
+            raise FileNotFoundError(f"Checkpoint file not found: {p}")
+        with fs.open(p, "rb") as f:
+            data: bytes = f.read()
+            return data
+    p = _local(p)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"Checkpoint file not found: {p}")
+    with open(p, "rb") as f:
+        return f.read()
+
+
+def read_pointer(path: _PATH) -> dict[str, Any]:
+    """The pointer file at ``path``, checked for form (not yet against the store)."""
+    raw = _read_file(path)
+    try:
+        doc = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise CorruptionError(
+            f"{os.fspath(path)}: not a ckptstore pointer file (not JSON; a torch.save checkpoint needs "
+            "Lightning's default TorchCheckpointIO)"
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+        raise CorruptionError(f"{os.fspath(path)}: not a {POINTER_FORMAT} pointer file")
+    try:
+        for k in ("store", "run_id", "save_id", "manifest_digest"):
+            if not isinstance(doc[k], str):
+                raise TypeError(k)
+        for k in ("step", "attempt"):
+            if not isinstance(doc[k], int):
+                raise TypeError(k)
+        if not isinstance(doc["keys"], list) or not isinstance(doc["inline"], dict):
+            raise TypeError("keys/inline")
+    except (KeyError, TypeError) as exc:
+        raise CorruptionError(f"{os.fspath(path)}: pointer file lacks or mangles field {exc}") from None
+    if blake3.blake3(_canonical(doc["inline"])).hexdigest() != doc.get("inline_digest"):
+        raise CorruptionError(f"{os.fspath(path)}: the pointer's inline state does not match its digest")
+    return doc
+
+
+def _pointer(ref: SaveRef, url: str, keys: list[str], inline: dict[str, Any]) -> bytes:
+    doc = {
+        "format": POINTER_FORMAT,
+        "store": url,
+        "run_id": ref.run_id,
+        "step": ref.step,
+        "attempt": ref.attempt,
+        "save_id": ref.save_id,
+        "manifest_digest": ref.manifest_digest,
+        "keys": keys,
+        "inline": inline,
+        "inline_digest": blake3.blake3(_canonical(inline)).hexdigest(),
+    }
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
+def write_pointer_for_latest(
+    path: _PATH, url: str, run_id: str, *, storage_options: Mapping[str, Any] | None = None
+) -> SaveRef | None:
+    """Write a pointer at ``path`` to the run's newest complete Lightning save.
+
+    For resuming when a process died between a commit and its pointer (or the
+    pointer files were lost): ``trainer.fit(model, ckpt_path=path)``. Returns
+    the save, or None (and writes nothing) when the run has no complete save.
+    """
+    store = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options)
+    ref = store.latest_complete(deep=True)
+    if ref is None:
+        return None
+    if ref.metadata.get("format") != FORMAT:
+        raise InvalidInputError(f"save {ref.save_id} is not a Lightning save (format {ref.metadata.get('format')!r})")
+    doc = tree_from_json(store.read(ref, DOC_COMPONENT))
+    _write_atomic(path, _pointer(ref, store.backend.url, list(doc["keys"]), {}))
+    return ref
+
+
+# ------------------------------------------------------------------ the plug-in
+
+
+@dataclass
+class _Published:
+    ref: SaveRef
+    trees: dict[str, bytes]  # key -> canonical JSON of its tree
+    digests: dict[str, str | None]  # key -> tensor component digest
+
+
+class StoreCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves into a ckptstore run.
+
+    Pass an open writable ``store``, or ``url``, ``run_id`` and ``identity``
+    (opened at the first save, on the process that saves). ``registry``: the
+    enums and dataclasses allowed in checkpoints (default: the process-wide
+    :data:`ckptstore.torch.codec.TYPES`).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore | None = None,
+        *,
+        url: str | None = None,
+        run_id: str | None = None,
+        identity: RunIdentity | Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        registry: TypeRegistry | None = None,
+        max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+    ) -> None:
+        if store is None and (url is None or run_id is None or identity is None):
+            raise InvalidInputError("StoreCheckpointIO needs a writable store, or url=, run_id= and identity=")
+        if store is not None and store.mode != "w":
+            raise InvalidInputError("StoreCheckpointIO needs a store opened for writing (identity=...)")
+        self._store = store
+        self._url = url
+        self._run_id = run_id
+        self._identity = identity
+        self.storage_options = dict(storage_options or {})
+        self.registry = registry
+        self.max_inline_bytes = max_inline_bytes
+        self._lock = threading.Lock()
+        self._published: dict[int, _Published] = {}
+        self._readers: dict[tuple[str, str], CheckpointStore] = {}
+
+    # ------------------------------------------------------------------ store
+    @property
+    def store(self) -> CheckpointStore:
+        """The writable store (opened now if it was given by URL)."""
+        with self._lock:
+            if self._store is None:
+                assert self._url is not None and self._run_id is not None
+                self._store = CheckpointStore.open(
+                    self._url, self._run_id, identity=self._identity, storage_options=self.storage_options or None
+                )
+            return self._store
+
+    def _reader(self, url: str, run_id: str) -> CheckpointStore:
+        if self._store is not None and self._store.backend.url == url and self._store.run_id == run_id:
+            return self._store
+        key = (url, run_id)
+        if key not in self._readers:
+            self._readers[key] = CheckpointStore.open(
+                url, run_id, mode="r", storage_options=self.storage_options or None
+            )
+        return self._readers[key]
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by StoreCheckpointIO; "
+                "pass storage_options when constructing it"
+            )
+        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise InvalidInputError(
+                f"{os.fspath(path)}: a Lightning checkpoint carries an integer 'global_step'; this one has {step!r}"
+            )
+        parts = _encode(checkpoint, self.registry)  # refuses unrepresentable objects before any write
+        store = self.store
+        keys = list(parts)
+        with self._lock:
+            pub = self._published.get(step)
+        if pub is None or pub.ref.attempt != (store.attempt.number if store.attempt else None):
+            pub = self._publish(store, step, parts, os.fspath(path))
+        data = _pointer(pub.ref, store.backend.url, keys, self._inline(pub, parts, step))
+        _write_atomic(path, data)
+
+    def _publish(self, store: CheckpointStore, step: int, parts: dict[str, _Part], path: str) -> _Published:
+        doc = {
+            "format": FORMAT,
+            "keys": list(parts),
+            "trees": {k: p.tree for k, p in parts.items()},
+            "tensor_components": {k: p.component for k, p in parts.items() if p.component},
+        }
+        try:
+            doc_bytes = tree_to_json(doc)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"checkpoint cannot be encoded as JSON: {exc}") from None
+        comps = {p.component: p for p in parts.values() if p.component}
+        metadata: dict[str, Any] = {"format": FORMAT, "first_path": os.path.basename(path)}
+        if isinstance(parts.get("epoch"), _Part) and isinstance(parts["epoch"].tree, int):
+            metadata["epoch"] = parts["epoch"].tree
+        try:
+            with store.save(step, metadata=metadata, expect=[DOC_COMPONENT, *comps]) as s:
+                for name, p in sorted(comps.items()):
+                    _size, chunks = safetensors_stream(p.tensors)
+                    p.digest = s.put(name, chunks).blake3
+                s.put(DOC_COMPONENT, doc_bytes)
+            assert s.ref is not None
+            ref = s.ref
+            pub = _Published(
+                ref,
+                {k: _canonical(p.tree) for k, p in parts.items()},
+                {k: p.digest for k, p in parts.items()},
+            )
+        except CommitConflictError:
+            # another writer of this attempt (another plug-in instance) committed this step first
+            assert store.attempt is not None
+            ref = store.get_save(step, store.attempt.number)
+            pub = self._load_published(store, ref)
+        with self._lock:
+            self._published[step] = pub
+            for old in sorted(self._published)[:-8]:  # a step is revisited only right after its save
+                del self._published[old]
+        return pub
+
+    def _load_published(self, store: CheckpointStore, ref: SaveRef) -> _Published:
+        doc = tree_from_json(store.read(ref, DOC_COMPONENT))
+        comps: dict[str, str] = doc["tensor_components"]
+        return _Published(
+            ref,
+            {k: _canonical(t) for k, t in doc["trees"].items()},
+            {k: (ref.components[comps[k]].blake3 if k in comps else None) for k in doc["trees"]},
+        )
+
+    def _inline(self, pub: _Published, parts: dict[str, _Part], step: int) -> dict[str, Any]:
+        """Keys whose content differs from the published save, carried in the pointer."""
+        inline: dict[str, Any] = {}
+        total = 0
+        for key, p in parts.items():
+            tree = _canonical(p.tree)
+            if pub.trees.get(key) == tree and pub.digests.get(key, "absent") == _digest(p):
+                continue  # identical: referenced from the save
+            total += len(tree) + p.size
+            if total > self.max_inline_bytes:
+                raise InvalidInputError(
+                    f"step {step} was already saved in this attempt with different content under "
+                    f"{key!r} ({p.size} bytes of tensors); a store holds one save per step and attempt — "
+                    "save different weights at a different global_step"
+                )
+            inline[key] = {
+                "tree": p.tree,
+                "tensors": base64.b64encode(_tensor_bytes(p.tensors)).decode() if p.tensors else None,
+            }
+        return inline
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Read the save the pointer at ``path`` names. ``weights_only`` is accepted and
+        moot: nothing is unpickled. Tensors come back on the CPU unless
+        ``map_location`` is a device or device string."""
+        ptr = read_pointer(path)
+        store = self._reader(ptr["store"], ptr["run_id"])
+        try:
+            ref = store.get_save(ptr["step"], ptr["attempt"])
+        except NotFoundError:
+            raise CorruptionError(
+                f"{os.fspath(path)}: points to step {ptr['step']} attempt {ptr['attempt']} of run "
+                f"{ptr['run_id']!r} at {ptr['store']}, which has no such commit (collected by gc?)"
+            ) from None
+        if ref.save_id != ptr["save_id"] or ref.manifest_digest != ptr["manifest_digest"]:
+            raise CorruptionError(
+                f"{os.fspath(path)}: the save's manifest digest is {ref.manifest_digest}, the pointer says "
+                f"{ptr['manifest_digest']}; refusing to load"
+            )
+        doc = tree_from_json(store.read(ref, DOC_COMPONENT))
+        if doc.get("format") != FORMAT:
+            raise CorruptionError(f"save {ref.save_id}: unknown format {doc.get('format')!r}")
+        out: dict[str, Any] = {}
+        for key in ptr["keys"]:
+            if key in ptr["inline"]:
+                item = ptr["inline"][key]
+                raw = item.get("tensors")
+                tensors = load_safetensors(base64.b64decode(raw)) if raw else {}
+                tree = item["tree"]
+            else:
+                if key not in doc["trees"]:
+                    raise CorruptionError(f"{os.fspath(path)}: key {key!r} is neither inline nor in save {ref.save_id}")
+                comp = doc["tensor_components"].get(key)
+                tensors = load_safetensors(store.read(ref, comp)) if comp else {}
+                tree = doc["trees"][key]
+            tensors = _map(tensors, map_location)
+            out[key] = unflatten(tree, tensors, registry=self.registry)
+        return out
+
+    # ------------------------------------------------------------------ remove
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Remove the pointer only; the save stays in the store until gc."""
+        p = os.fspath(path)
+        if _is_remote(p):
+            fs = get_filesystem(p)
+            if fs.exists(p):
+                fs.rm(p)
+            return
+        try:
+            os.remove(_local(p))
+        except FileNotFoundError:
+            pass
+
+
+def _map(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
+    if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
+        return {k: t.to(map_location) for k, t in tensors.items()}
+    return tensors
+
+
+class AsyncStoreCheckpointIO(AsyncCheckpointIO):
+    """:class:`StoreCheckpointIO` with saves on a background thread.
+
+    Lightning's ``AsyncCheckpointIO`` copies the tensors on the calling thread
+    and writes on one worker; here ``remove_checkpoint`` is queued behind the
+    pending saves (a top-k removal never overtakes the save of the file it
+    removes) and ``load_checkpoint`` waits for them. A failed background save
+    is raised at the next call or at ``teardown``.
+    """
+
+    def __init__(self, checkpoint_io: StoreCheckpointIO | None = None, **kwargs: Any) -> None:
+        super().__init__(checkpoint_io if checkpoint_io is not None else StoreCheckpointIO(**kwargs))
+
+    def _run_in_order(self, fn: Callable[[], Any]) -> Any:
+        self._ensure_setup()
+        assert self._executor is not None
+        return self._executor.submit(fn).result()
+
+    def wait(self) -> None:
+        """Block until every queued save has finished; raise the first background error."""
+        self._run_in_order(lambda: None)
+        if self._error:
+            err, self._error = self._error, None
+            raise err
+
+    def remove_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        inner = self.checkpoint_io
+        assert inner is not None
+
+        def _remove() -> None:
+            try:
+                inner.remove_checkpoint(*args, **kwargs)
+            except BaseException as ex:  # noqa: BLE001 - raised at the next call, like a failed save
+                self._error = ex
+
+        self._ensure_setup()
+        assert self._executor is not None
+        self._executor.submit(_remove)
+        if self._error:
+            raise self._error
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.wait()
+        inner = self.checkpoint_io
+        assert inner is not None
+        return inner.load_checkpoint(*args, **kwargs)

@@ -271,3 +271,30 @@ def test_store_holds_no_pickle(tmp_path: Path) -> None:
     for name in ref.components:
         head = store.read(ref, name)[:2]
         assert head != b"\x80\x04" and not head.startswith(b"PK")  # neither a pickle nor a torch.save zip
+
+
+def test_plugin_pickles_for_spawned_workers_and_refuses_an_open_store(tmp_path: Path) -> None:
+    import pickle
+
+    io = _io(tmp_path)
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    worker = pickle.loads(pickle.dumps(io))  # what ddp_spawn does with the strategy's plug-ins
+    worker.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.full((2,), 2.0)}}, tmp_path / "b.ckpt")
+    assert read_pointer(tmp_path / "b.ckpt")["attempt"] == 2  # the worker opened the run itself
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]["w"].tolist() == [2.0, 2.0]
+
+    with pytest.raises(TypeError, match="url=, run_id= and identity="):
+        pickle.dumps(StoreCheckpointIO(CheckpointStore.open(str(tmp_path / "s2"), "r", identity=IDENT)))
+
+
+def test_a_dict_without_global_step_is_written_detached_at_the_path(tmp_path: Path) -> None:
+    # Lightning's spawn launcher hands the trained weights to the main process through the CheckpointIO
+    io = _io(tmp_path)
+    weights = {"layer.weight": torch.randn(2, 3), "layer.bias": torch.zeros(2), "meta": {"n": 1}}
+    io.save_checkpoint(weights, tmp_path / ".temp.ckpt")
+    got = io.load_checkpoint(tmp_path / ".temp.ckpt")
+    assert set(got) == set(weights) and got["meta"] == {"n": 1}
+    assert torch.equal(got["layer.weight"], weights["layer.weight"])
+    assert not (tmp_path / "store").exists()  # not a training checkpoint: the store is not even opened
+    io.remove_checkpoint(tmp_path / ".temp.ckpt")
+    assert not (tmp_path / ".temp.ckpt").exists()

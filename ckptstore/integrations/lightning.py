@@ -54,6 +54,7 @@ import base64
 import json
 import os
 import re
+import struct
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -87,6 +88,9 @@ from ..torch.codec import (
 
 FORMAT = "ckptstore.lightning/1"
 POINTER_FORMAT = "ckptstore.lightning-pointer/1"
+#: a dict without ``global_step`` (Lightning's spawn launcher hands the weights to the main process this
+#: way) is not a training checkpoint: it is written at the path as one self-describing safetensors file
+DETACHED_FORMAT = "ckptstore.lightning-detached/1"
 DOC_COMPONENT = "checkpoint.json"
 DEFAULT_MAX_INLINE_BYTES = 4 << 20
 
@@ -231,7 +235,22 @@ def _read_file(path: _PATH) -> bytes:
 
 def read_pointer(path: _PATH) -> dict[str, Any]:
     """The pointer file at ``path``, checked for form (not yet against the store)."""
-    raw = _read_file(path)
+    return _parse_pointer(_read_file(path), path)
+
+
+def _detached_meta(raw: bytes) -> dict[str, Any]:
+    """The safetensors ``__metadata__`` of ``raw`` ({} when it is not a safetensors file)."""
+    try:
+        (n,) = struct.unpack("<Q", raw[:8])
+        if n > len(raw) - 8:
+            return {}
+        meta = json.loads(raw[8 : 8 + n].decode()).get("__metadata__")
+    except (struct.error, UnicodeDecodeError, ValueError, AttributeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _parse_pointer(raw: bytes, path: _PATH) -> dict[str, Any]:
     try:
         doc = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError):
@@ -334,9 +353,25 @@ class StoreCheckpointIO(CheckpointIO):
         self.storage_options = dict(storage_options or {})
         self.registry = registry
         self.max_inline_bytes = max_inline_bytes
+        self._given_store = store is not None
         self._lock = threading.Lock()
         self._published: dict[int, _Published] = {}
         self._readers: dict[tuple[str, str], CheckpointStore] = {}
+
+    # ------------------------------------------------------------------ pickling (ddp_spawn sends plug-ins to workers)
+    def __getstate__(self) -> dict[str, Any]:
+        if self._given_store:
+            raise TypeError(
+                "a StoreCheckpointIO built on an open store cannot be sent to another process; "
+                "construct it with url=, run_id= and identity= (it opens the store where it saves)"
+            )
+        state = dict(self.__dict__)
+        state.update(_store=None, _lock=None, _published={}, _readers={})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ store
     @property
@@ -369,9 +404,8 @@ class StoreCheckpointIO(CheckpointIO):
             )
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         if not isinstance(step, int) or isinstance(step, bool):
-            raise InvalidInputError(
-                f"{os.fspath(path)}: a Lightning checkpoint carries an integer 'global_step'; this one has {step!r}"
-            )
+            self._save_detached(checkpoint, path)
+            return
         parts = _encode(checkpoint, self.registry)  # refuses unrepresentable objects before any write
         store = self.store
         keys = list(parts)
@@ -381,6 +415,22 @@ class StoreCheckpointIO(CheckpointIO):
             pub = self._publish(store, step, parts, os.fspath(path))
         data = _pointer(pub.ref, store.backend.url, keys, self._inline(pub, parts, step))
         _write_atomic(path, data)
+
+    def _save_detached(self, checkpoint: Mapping[str, Any], path: _PATH) -> None:
+        parts = _encode(checkpoint, self.registry)  # same refusals, same messages
+        tensors = {f"{i}/{k}": t for i, p in enumerate(parts.values()) for k, t in p.tensors.items()}
+        doc = {"keys": list(parts), "trees": {k: p.tree for k, p in parts.items()}}
+        _size, chunks = safetensors_stream(tensors, {"format": DETACHED_FORMAT, "doc": tree_to_json(doc).decode()})
+        _write_atomic(path, b"".join(bytes(c) for c in chunks))
+
+    def _load_detached(self, raw: bytes, path: _PATH, map_location: Any) -> dict[str, Any]:
+        doc = tree_from_json(_detached_meta(raw)["doc"].encode())
+        tensors = _map(load_safetensors(raw), map_location)
+        out: dict[str, Any] = {}
+        for i, key in enumerate(doc["keys"]):
+            mine = {k.split("/", 1)[1]: t for k, t in tensors.items() if k.split("/", 1)[0] == str(i)}
+            out[key] = unflatten(doc["trees"][key], mine, registry=self.registry)
+        return out
 
     def _publish(self, store: CheckpointStore, step: int, parts: dict[str, _Part], path: str) -> _Published:
         doc = {
@@ -458,7 +508,10 @@ class StoreCheckpointIO(CheckpointIO):
         """Read the save the pointer at ``path`` names. ``weights_only`` is accepted and
         moot: nothing is unpickled. Tensors come back on the CPU unless
         ``map_location`` is a device or device string."""
-        ptr = read_pointer(path)
+        raw = _read_file(path)
+        if _detached_meta(raw).get("format") == DETACHED_FORMAT:
+            return self._load_detached(raw, path, map_location)
+        ptr = _parse_pointer(raw, path)
         store = self._reader(ptr["store"], ptr["run_id"])
         try:
             ref = store.get_save(ptr["step"], ptr["attempt"])

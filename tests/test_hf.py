@@ -148,3 +148,21 @@ def test_restore_skips_a_save_whose_bytes_rotted_and_keeps_a_matching_dir(tmp_pa
 def test_restore_on_an_empty_run_returns_none(tmp_path: Path) -> None:
     _store(tmp_path)
     assert restore_latest(str(tmp_path / "store"), tmp_path / "out", run_id="hf-run") is None
+
+
+def test_process_group_path_barriers_and_marker(tmp_path: Path) -> None:
+    """With torch.distributed initialized (a one-process gloo group here), the callback goes through its
+    barriers and rank 0's restore leaves the marker the other ranks read."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        cb = StoreCallback(lambda: _store(tmp_path))
+        _trainer(tmp_path / "out", 4, [cb]).train()
+        assert [r.step for r in cb.published] == [2, 4]
+        path = restore_latest(str(tmp_path / "store"), tmp_path / "out", run_id="hf-run")
+        assert path == str(tmp_path / "out" / "checkpoint-4")
+        marker = (tmp_path / "out" / ".ckptstore-restored.json").read_text()
+        assert path in marker
+    finally:
+        dist.destroy_process_group()

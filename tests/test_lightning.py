@@ -290,7 +290,7 @@ def test_plugin_pickles_for_spawned_workers_and_refuses_an_open_store(tmp_path: 
 def test_a_dict_without_global_step_is_written_detached_at_the_path(tmp_path: Path) -> None:
     # Lightning's spawn launcher hands the trained weights to the main process through the CheckpointIO
     io = _io(tmp_path)
-    weights = {"layer.weight": torch.randn(2, 3), "layer.bias": torch.zeros(2), "meta": {"n": 1}}
+    weights: dict[str, Any] = {"layer.weight": torch.randn(2, 3), "layer.bias": torch.zeros(2), "meta": {"n": 1}}
     io.save_checkpoint(weights, tmp_path / ".temp.ckpt")
     got = io.load_checkpoint(tmp_path / ".temp.ckpt")
     assert set(got) == set(weights) and got["meta"] == {"n": 1}

@@ -42,10 +42,16 @@ Pointer file (JSON, one object)::
      "keys": [top-level keys in order], "inline": {key: {"tree": ..., "tensors": base64 safetensors | null}},
      "inline_digest": BLAKE3 of the canonical JSON of "inline"}
 
+A dict without an integer ``global_step`` is not a training checkpoint (Lightning's
+spawn launcher hands the trained weights to the main process this way): it is
+written at the path as one self-describing safetensors file (the JSON tree in
+its metadata), outside the store, and read back by ``load_checkpoint``.
+
 Multi-process: Lightning calls ``save_checkpoint`` on global rank 0 only. The
 store is opened for writing lazily, at the first save, so only that process
 registers an attempt; pass ``url``/``run_id``/``identity`` (not an open store)
-when the strategy spawns processes.
+when the strategy spawns processes (the plug-in then pickles; one built on an
+open store refuses to).
 """
 
 from __future__ import annotations

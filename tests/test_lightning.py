@@ -201,11 +201,12 @@ def test_hyperparameters_of_many_kinds_round_trip_and_unknown_objects_are_refuse
     reg = TypeRegistry()
     reg.register(Mode)
     reg.register(Opt)
+    reg.register_class(torch.optim.SGD)
     io = StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT, registry=reg)
     hp = {
         "data": pathlib.Path("/data/x"), "tags": {"a", "b"}, "salt": b"\x00\x01", "when": dt.datetime(2026, 1, 1, 12),
         "device": torch.device("cpu"), "args": argparse.Namespace(lr=0.1, steps=3), "mode": Mode.SLOW,
-        "opt": Opt(1e-3), "every": dt.timedelta(minutes=5), "ratio": float("inf"),
+        "opt": Opt(1e-3), "every": dt.timedelta(minutes=5), "ratio": float("inf"), "optimizer": torch.optim.SGD,
     }
     ck = {"global_step": 7, "hyper_parameters": hp, "state_dict": {"w": torch.zeros(2, dtype=torch.bfloat16)}}
     io.save_checkpoint(ck, tmp_path / "h.ckpt")
@@ -226,6 +227,8 @@ def test_hyperparameters_of_many_kinds_round_trip_and_unknown_objects_are_refuse
             RED = 1
 
         io.save_checkpoint({"global_step": 8, "c": Color.RED}, tmp_path / "bad.ckpt")
+    with pytest.raises(InvalidInputError, match=r"checkpoint\['cls'\]: the class .*Adam is stored only when registered"):
+        io.save_checkpoint({"global_step": 8, "cls": torch.optim.Adam}, tmp_path / "bad.ckpt")
     assert not (tmp_path / "bad.ckpt").exists()
     assert [s.step for s in _reader(tmp_path).list_saves()] == [7]
 
@@ -298,3 +301,26 @@ def test_a_dict_without_global_step_is_written_detached_at_the_path(tmp_path: Pa
     assert not (tmp_path / "store").exists()  # not a training checkpoint: the store is not even opened
     io.remove_checkpoint(tmp_path / ".temp.ckpt")
     assert not (tmp_path / ".temp.ckpt").exists()
+
+
+def test_omegaconf_hyperparameters_round_trip(tmp_path: Path) -> None:
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"lr": 0.1, "name": "${model}", "model": "gpt", "sizes": [1, 2], "todo": "???"})
+    omegaconf.OmegaConf.set_struct(cfg, True)
+    io = _io(tmp_path)
+    io.save_checkpoint({"global_step": 3, "hyper_parameters": cfg, "hparams_type": type(cfg),
+                        "state_dict": {"w": torch.ones(1)}}, tmp_path / "o.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "o.ckpt")
+    assert loaded["hparams_type"] is omegaconf.DictConfig  # Lightning stores the class itself
+    got = loaded["hyper_parameters"]
+    assert isinstance(got, omegaconf.DictConfig) and omegaconf.OmegaConf.is_struct(got)
+    assert got.name == "gpt" and omegaconf.OmegaConf.is_missing(got, "todo")  # interpolation and ??? kept
+    assert omegaconf.OmegaConf.to_container(got) == omegaconf.OmegaConf.to_container(cfg)
+
+    @dataclasses.dataclass
+    class Structured:
+        lr: float = 0.1
+
+    with pytest.raises(InvalidInputError, match="structured OmegaConf config"):
+        io.save_checkpoint({"global_step": 4, "hyper_parameters": omegaconf.OmegaConf.structured(Structured)},
+                           tmp_path / "s.ckpt")

@@ -28,6 +28,10 @@ Lossless encodings of common non-JSON values (see :func:`_encode_extra`):
   or a dataclass instance of a type registered by name in a :class:`TypeRegistry`
   (the process-wide :data:`TYPES` unless one is passed). An unregistered enum or
   dataclass is refused with its key path, like every other unsupported object.
+* ``{"__type": name}`` a class as a value (registered with ``register_class``, or OmegaConf's
+  ``DictConfig``/``ListConfig``, which Lightning stores as ``hparams_type``)
+* ``{"__omegaconf": {"content": ..., "flags": [...]}}`` an OmegaConf ``DictConfig``/``ListConfig``
+  (unresolved content; structured configs are refused). omegaconf is imported only to decode one.
 
 The safetensors file is written by a streaming writer here (header + the
 tensors' own memory, no copy into one big bytes object, which
@@ -202,8 +206,11 @@ _T = TypeVar("_T", bound=type)
 _NOT_EXTRA: Any = object()
 EXTRA_TAGS = frozenset({
     "__path", "__set", "__frozenset", "__bytes", "__bytearray", "__datetime", "__date", "__timedelta",
-    "__device", "__namespace", "__enum", "__dataclass",
+    "__device", "__namespace", "__enum", "__dataclass", "__omegaconf", "__type",
 })
+#: classes that may be stored as values (not instances) without registration, by a fixed name
+_BUILTIN_CLASSES = {("omegaconf.dictconfig", "DictConfig"): "omegaconf.DictConfig",
+                    ("omegaconf.listconfig", "ListConfig"): "omegaconf.ListConfig"}
 _PATH_CLASSES = {c.__name__: c for c in (pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePath,
                                          pathlib.PurePosixPath, pathlib.PureWindowsPath)}
 
@@ -230,6 +237,18 @@ class TypeRegistry:
             raise InvalidInputError(f"{cls!r} is already registered as {self._by_type[cls]!r}")
         self._by_name[key] = cls
         self._by_type[cls] = key
+        return cls
+
+    def register_class(self, cls: _T, name: str | None = None) -> _T:
+        """Allow the class *itself* to be stored as a value (``{"__type": name}``); its
+        instances are not made storable by this."""
+        if not isinstance(cls, type):
+            raise InvalidInputError(f"{cls!r} is not a class")
+        key = name or f"{cls.__module__}.{cls.__qualname__}"
+        if self._by_name.get(key, cls) is not cls:
+            raise InvalidInputError(f"type name {key!r} is already registered for {self._by_name[key]!r}")
+        self._by_name[key] = cls
+        self._by_type.setdefault(cls, key)
         return cls
 
     def name_of(self, cls: type) -> str | None:
@@ -262,6 +281,14 @@ def _encode_extra(
     x: Any, path: tuple[Any, ...], walk: Callable[[Any, tuple[Any, ...]], Any], types: TypeRegistry
 ) -> Any:
     """The tagged encoding of ``x`` when it is one of the extra kinds, else ``_NOT_EXTRA``."""
+    if isinstance(x, type):
+        name = types.name_of(x) or _BUILTIN_CLASSES.get((x.__module__, x.__name__))
+        if name is None:
+            raise InvalidInputError(
+                f"{_path_str(path)}: the class {x.__module__}.{x.__qualname__} is stored only when registered "
+                "(ckptstore.torch.codec.TYPES.register_class)"
+            )
+        return {"__type": name}
     if isinstance(x, enum.Enum):
         name = types.name_of(type(x))
         if name is None:
@@ -309,7 +336,24 @@ def _encode_extra(
         return {"__device": str(x)}
     if isinstance(x, argparse.Namespace):
         return {"__namespace": walk(dict(vars(x)), path)}
+    if type(x).__module__.startswith("omegaconf.") and type(x).__name__ in ("DictConfig", "ListConfig"):
+        return _encode_omegaconf(x, path, walk)
     return _NOT_EXTRA
+
+
+def _encode_omegaconf(x: Any, path: tuple[Any, ...], walk: Callable[[Any, tuple[Any, ...]], Any]) -> Any:
+    """An OmegaConf ``DictConfig``/``ListConfig`` (Hydra hyper-parameters): its unresolved content
+    (interpolations and ``???`` kept as written) and the root's readonly/struct flags."""
+    from omegaconf import OmegaConf
+
+    if type(x).__name__ == "DictConfig" and OmegaConf.get_type(x) is not dict:
+        raise InvalidInputError(
+            f"{_path_str(path)}: a structured OmegaConf config ({OmegaConf.get_type(x)!r}) cannot be stored "
+            "losslessly; store OmegaConf.to_container(cfg) instead"
+        )
+    content = OmegaConf.to_container(x, resolve=False, enum_to_str=False)
+    flags = [f for f, on in (("readonly", OmegaConf.is_readonly(x)), ("struct", OmegaConf.is_struct(x))) if on]
+    return {"__omegaconf": {"content": walk(content, path), "flags": flags}}
 
 
 def _decode_extra(tag: str, val: Any, walk: Callable[[Any], Any], types: TypeRegistry) -> Any:
@@ -344,6 +388,25 @@ def _decode_extra(tag: str, val: Any, walk: Callable[[Any], Any], types: TypeReg
         if tag == "__enum":
             name, value = val
             return types.lookup(name)(walk(value))
+        if tag == "__type":
+            if val == "omegaconf.DictConfig":
+                from omegaconf import DictConfig
+
+                return DictConfig
+            if val == "omegaconf.ListConfig":
+                from omegaconf import ListConfig
+
+                return ListConfig
+            return types.lookup(val)
+        if tag == "__omegaconf":
+            from omegaconf import OmegaConf
+
+            cfg = OmegaConf.create(walk(val["content"]))
+            if "struct" in val["flags"]:
+                OmegaConf.set_struct(cfg, True)
+            if "readonly" in val["flags"]:
+                OmegaConf.set_readonly(cfg, True)
+            return cfg
         if tag == "__dataclass":
             name, fields = val
             cls = types.lookup(name)

@@ -324,3 +324,26 @@ def test_omegaconf_hyperparameters_round_trip(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="structured OmegaConf config"):
         io.save_checkpoint({"global_step": 4, "hyper_parameters": omegaconf.OmegaConf.structured(Structured)},
                            tmp_path / "s.ckpt")
+
+
+class WithHparams(LoggingModel):
+    def __init__(self, note: str = "x", scale: float = 1.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_load_module_builds_the_module_from_a_pointer(tmp_path: Path) -> None:
+    from ckptstore.integrations.lightning import load_module
+
+    model = WithHparams(note="hello", scale=2.5)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    _trainer(tmp_path, _io(tmp_path), [ckpt], max_epochs=1).fit(model)
+    got = load_module(WithHparams, tmp_path / "ckpts" / "last.ckpt")
+    assert isinstance(got, WithHparams) and got.hparams["note"] == "hello" and got.hparams["scale"] == 2.5
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert load_module(WithHparams, tmp_path / "ckpts" / "last.ckpt", note="override").hparams["note"] == "override"
+
+    reader = StoreCheckpointIO()  # no store: loads only
+    assert reader.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 3
+    with pytest.raises(InvalidInputError, match="for loading only"):
+        reader.save_checkpoint({"global_step": 9}, tmp_path / "x.ckpt")

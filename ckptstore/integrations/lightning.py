@@ -106,6 +106,7 @@ __all__ = [
     "POINTER_FORMAT",
     "AsyncStoreCheckpointIO",
     "StoreCheckpointIO",
+    "load_module",
     "read_pointer",
     "write_pointer_for_latest",
 ]
@@ -332,7 +333,8 @@ class StoreCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves into a ckptstore run.
 
     Pass an open writable ``store``, or ``url``, ``run_id`` and ``identity``
-    (opened at the first save, on the process that saves). ``registry``: the
+    (opened at the first save, on the process that saves); with none of them
+    it only loads (a pointer names its own store). ``registry``: the
     enums and dataclasses allowed in checkpoints (default: the process-wide
     :data:`ckptstore.torch.codec.TYPES`).
     """
@@ -348,7 +350,8 @@ class StoreCheckpointIO(CheckpointIO):
         registry: TypeRegistry | None = None,
         max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
     ) -> None:
-        if store is None and (url is None or run_id is None or identity is None):
+        self.read_only = store is None and url is None and run_id is None and identity is None
+        if store is None and not self.read_only and (url is None or run_id is None or identity is None):
             raise InvalidInputError("StoreCheckpointIO needs a writable store, or url=, run_id= and identity=")
         if store is not None and store.mode != "w":
             raise InvalidInputError("StoreCheckpointIO needs a store opened for writing (identity=...)")
@@ -385,6 +388,11 @@ class StoreCheckpointIO(CheckpointIO):
         """The writable store (opened now if it was given by URL)."""
         with self._lock:
             if self._store is None:
+                if self.read_only:
+                    raise InvalidInputError(
+                        "this StoreCheckpointIO was made without a store (for loading only); "
+                        "pass a writable store, or url=, run_id= and identity= to save"
+                    )
                 assert self._url is not None and self._run_id is not None
                 self._store = CheckpointStore.open(
                     self._url, self._run_id, identity=self._identity, storage_options=self.storage_options or None
@@ -564,6 +572,35 @@ class StoreCheckpointIO(CheckpointIO):
             os.remove(_local(p))
         except FileNotFoundError:
             pass
+
+
+def load_module(
+    cls: Any,
+    path: _PATH,
+    *,
+    map_location: Any | None = None,
+    strict: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    registry: TypeRegistry | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(path)`` for a pointer file (which ``torch.load`` cannot read).
+
+    Builds the ``LightningModule`` (or ``LightningDataModule``) from the saved
+    hyper-parameters (``kwargs`` override them) and loads its state, as
+    Lightning's own ``load_from_checkpoint`` does after its ``torch.load``.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.core.saving import _load_state
+    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+    io = StoreCheckpointIO(storage_options=storage_options, registry=registry)
+    checkpoint = _pl_migrate_checkpoint(io.load_checkpoint(path, map_location), checkpoint_path=os.fspath(path))
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return _load_state(cls, checkpoint, **kwargs)
+    return _load_state(cls, checkpoint, strict=strict, **kwargs)
 
 
 def _map(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:

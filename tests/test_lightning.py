@@ -347,3 +347,18 @@ def test_load_module_builds_the_module_from_a_pointer(tmp_path: Path) -> None:
     assert reader.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 3
     with pytest.raises(InvalidInputError, match="for loading only"):
         reader.save_checkpoint({"global_step": 9}, tmp_path / "x.ckpt")
+
+
+def test_async_variant_refuses_on_the_callers_thread_and_reports_background_errors(tmp_path: Path) -> None:
+    io = AsyncStoreCheckpointIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT)
+    with pytest.raises(InvalidInputError, match=r"checkpoint\['hyper_parameters'\]\['f'\]"):
+        io.save_checkpoint({"global_step": 1, "hyper_parameters": {"f": object()}}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    # a background failure (here: the pointer's directory cannot be created) surfaces at the next wait
+    (tmp_path / "file").write_text("not a directory")
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(2)}}, tmp_path / "file" / "b.ckpt")
+    with pytest.raises(OSError):
+        io.wait()
+    io.wait()  # reported once
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["global_step"] == 1
+    io.teardown()

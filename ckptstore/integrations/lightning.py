@@ -622,6 +622,22 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
     def __init__(self, checkpoint_io: StoreCheckpointIO | None = None, **kwargs: Any) -> None:
         super().__init__(checkpoint_io if checkpoint_io is not None else StoreCheckpointIO(**kwargs))
 
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Refuse an unrepresentable object now, on the caller's thread (with its key path);
+        then copy the tensors and write in the background."""
+        checkpoint = kwargs["checkpoint"] if "checkpoint" in kwargs else args[0]
+        inner = self.checkpoint_io
+        assert isinstance(inner, StoreCheckpointIO)
+        for key, value in checkpoint.items() if isinstance(checkpoint, Mapping) else []:
+            try:
+                flatten(value, registry=inner.registry)
+            except InvalidInputError as exc:
+                msg = str(exc)
+                raise InvalidInputError(
+                    f"checkpoint[{key!r}]" + msg[len("state"):] if msg.startswith("state") else msg
+                ) from None
+        super().save_checkpoint(*args, **kwargs)
+
     def _run_in_order(self, fn: Callable[[], Any]) -> Any:
         self._ensure_setup()
         assert self._executor is not None

@@ -166,3 +166,15 @@ def test_process_group_path_barriers_and_marker(tmp_path: Path) -> None:
         assert path in marker
     finally:
         dist.destroy_process_group()
+
+
+def test_restore_step_restores_that_step_and_leaves_newer_dirs(tmp_path: Path) -> None:
+    from ckptstore.integrations.hf import restore_step
+
+    _trainer(tmp_path / "out", 4, [StoreCallback(_store(tmp_path))]).train()
+    out = tmp_path / "out"
+    (out / "checkpoint-2").rename(tmp_path / "moved")
+    assert restore_step(str(tmp_path / "store"), out, 2, run_id="hf-run") == str(out / "checkpoint-2")
+    assert (out / "checkpoint-2" / "trainer_state.json").read_bytes() == (tmp_path / "moved" / "trainer_state.json").read_bytes()
+    assert (out / "checkpoint-4").is_dir()  # an explicit step does not set newer directories aside
+    assert restore_step(str(tmp_path / "store"), out, 3, run_id="hf-run") is None

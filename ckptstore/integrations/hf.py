@@ -54,7 +54,7 @@ FILES = "files/"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _MARKER = ".ckptstore-restored.json"
 
-__all__ = ["FORMAT", "StoreCallback", "publish_checkpoint_dir", "restore_latest"]
+__all__ = ["FORMAT", "StoreCallback", "publish_checkpoint_dir", "restore_latest", "restore_step"]
 
 
 def _dist() -> Any | None:
@@ -222,7 +222,7 @@ def restore_latest(
         marker = json.loads((out / _MARKER).read_text())
         return marker["path"] if isinstance(marker.get("path"), str) else None
     try:
-        path = _restore(store, out, run_id, storage_options, set_aside_newer)
+        path = _restore(store, out, run_id, storage_options, set_aside_newer, None)
         if dist is not None:
             out.mkdir(parents=True, exist_ok=True)
             (out / _MARKER).write_text(json.dumps({"path": path}))
@@ -232,23 +232,39 @@ def restore_latest(
     return path
 
 
+def restore_step(
+    store: CheckpointStore | str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    step: int,
+    *,
+    run_id: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> str | None:
+    """Restore the complete save of ``step`` into ``output_dir/checkpoint-<step>`` (as
+    :func:`restore_latest` does for the newest); None when the run has no complete save of
+    that step. Newer directories are left alone. Single process (no barrier)."""
+    return _restore(store, Path(output_dir), run_id, storage_options, False, step)
+
+
 def _restore(
     store: CheckpointStore | str | os.PathLike[str],
     out: Path,
     run_id: str | None,
     storage_options: dict[str, Any] | None,
     set_aside_newer: bool,
+    step: int | None,
 ) -> str | None:
     if not isinstance(store, CheckpointStore):
         if run_id is None:
             raise InvalidInputError("restore_latest(url, ...) needs run_id=")
         store = CheckpointStore.open(store, run_id, mode="r", storage_options=storage_options)
     candidates = [i.ref for i in store.list_saves() if i.ref is not None and i.state.value == "committed"]
-    latest = store.latest_complete()
-    if latest is not None:  # the selection's answer first, then older complete saves
-        candidates = [latest] + [r for r in candidates if r.step < latest.step]
+    if step is not None:
+        candidates = [r for r in candidates if r.step == step]
     else:
-        candidates = []
+        latest = store.latest_complete()
+        # the selection's answer first, then older complete saves
+        candidates = [latest] + [r for r in candidates if r.step < latest.step] if latest is not None else []
     stamp = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     for ref in candidates:
         if ref.metadata.get("format") != FORMAT:

@@ -78,6 +78,8 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     args: dict[str, Any] = spec.get("args", {})
     ident = args.get("identity", {"data_digest": "d", "code_digest": "c", "world_size": world})
+    if spec["scenario"] == "mixed_identity" and rank == 1:
+        ident = {**ident, "data_digest": "other"}
     opts = spec.get("opts") or None
     try:
         run = open_distributed(

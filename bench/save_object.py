@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.servers import BUCKET, SERVERS  # noqa: E402
 from ckptstore import CheckpointStore  # noqa: E402
-from ckptstore.backends.objectstore import PART_SIZE, object_store_backend  # noqa: E402
+from ckptstore.backends.fsspec_base import PART_SIZE  # noqa: E402
+from ckptstore.registry import backend_from_url as object_store_backend  # noqa: E402
 
 
 def main() -> None:

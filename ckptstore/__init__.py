@@ -1,19 +1,22 @@
 """ckptstore: crash-consistent training checkpoints on any storage.
 
-The core imports without torch; the PyTorch adapter lives in ``ckptstore.torch``.
+The core imports without torch, numpy or matplotlib; the PyTorch adapter lives
+in ``ckptstore.torch`` (extra ``torch``), run management (drill, budget, report)
+in ``ckptstore.runs`` (extra ``runs``).
 """
 
 from .backends.base import Backend, Capabilities, ObjectInfo
 from .errors import (
-    BudgetExhaustedError,
     CkptStoreError,
     CommitConflictError,
     CommitUnknownError,
     CorruptionError,
+    ExtraRequiredError,
     IdentityMismatchError,
     InvalidInputError,
     NotFoundError,
     SaveAbortedError,
+    SaveNotPublishedError,
     StoreUnavailableError,
     SupersededError,
     TransientError,
@@ -21,27 +24,33 @@ from .errors import (
 )
 from .identity import RunIdentity, digest_tree
 from .protocol import PROTOCOL_VERSION
-from .selection import SaveState, Skip, SkipReason
-from .store import CheckpointStore, SaveInfo, SaveRef, SaveWriter, Selection, VerifyReport
+from .protocol.records import ComponentEntry
+from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection, Skip, SkipReason
+from .reader import VerifyReport
+from .registry import register_scheme
+from .store import CheckpointStore, SaveWriter
+from .writer import StagedSave
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
     "Backend",
-    "BudgetExhaustedError",
     "Capabilities",
     "CheckpointStore",
     "CkptStoreError",
     "CommitConflictError",
     "CommitUnknownError",
+    "ComponentEntry",
     "CorruptionError",
+    "ExtraRequiredError",
     "IdentityMismatchError",
     "InvalidInputError",
     "NotFoundError",
     "ObjectInfo",
     "RunIdentity",
     "SaveAbortedError",
+    "SaveNotPublishedError",
     "SaveInfo",
     "SaveRef",
     "SaveState",
@@ -49,10 +58,12 @@ __all__ = [
     "Selection",
     "Skip",
     "SkipReason",
+    "StagedSave",
     "StoreUnavailableError",
     "SupersededError",
     "TransientError",
     "UnsupportedBackendError",
     "VerifyReport",
     "digest_tree",
+    "register_scheme",
 ]

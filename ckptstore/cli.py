@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import CkptStoreError, InvalidInputError
+from .errors import CkptStoreError, ExtraRequiredError, InvalidInputError
 from .store import CheckpointStore, SaveRef
 
 
@@ -202,8 +202,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require(what: str, extra: str, *modules: str) -> None:
+    """One line naming the extra to install, instead of a traceback."""
+    import importlib.util
+
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise ExtraRequiredError(what, extra, m)
+
+
 def cmd_drill(args: argparse.Namespace) -> int:
-    from .drill.drill import DrillConfig, run_drill
+    _require("the recovery drill", "runs", "numpy", "torch", "safetensors")
+    from .runs.drill.drill import DrillConfig, run_drill
 
     cfg = DrillConfig(
         store=args.store,
@@ -219,8 +229,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .budget import Budget
-    from .report import build_record, render_table, render_timeline_svg
+    from .runs.budget import Budget
+    from .runs.report import build_record, render_table, render_timeline_svg
 
     store = _open(args)
     rec = build_record(store, Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours))
@@ -232,7 +242,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .runs.demo import run_demo
 
     return run_demo(args.store)
 
@@ -316,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(["drill"])
     try:
         return int(args.fn(args))
-    except InvalidInputError as exc:
+    except (InvalidInputError, ExtraRequiredError) as exc:
         print(f"ckptstore: error: {exc}", file=sys.stderr)
         return 2
     except CkptStoreError as exc:

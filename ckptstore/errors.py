@@ -41,11 +41,18 @@ class NotFoundError(CkptStoreError, FileNotFoundError):
     """A run, save or component that was asked for does not exist."""
 
 
-class CommitConflictError(CkptStoreError):
+class SaveNotPublishedError(CkptStoreError):
+    """A save did not become an acknowledged, selectable save. Subclasses say
+    why: aborted before its commit, a conflicting commit, superseded by a newer
+    attempt, or an outcome that could not be settled. Catch this class to treat
+    every such case as "not saved"."""
+
+
+class CommitConflictError(SaveNotPublishedError):
     """Another writer already committed this step in this attempt."""
 
 
-class SupersededError(CkptStoreError):
+class SupersededError(SaveNotPublishedError):
     """A newer attempt of the run has registered; this writer is a zombie.
 
     ``committed`` tells whether the commit record landed before the newer
@@ -57,14 +64,24 @@ class SupersededError(CkptStoreError):
         self.committed = committed
 
 
-class CommitUnknownError(CkptStoreError):
+class CommitUnknownError(SaveNotPublishedError):
     """The outcome of a commit could not be settled (the create's reply was
     lost and the record could not be read back). The save must be treated as
     not acknowledged; ``latest_complete()`` will tell what actually landed."""
 
 
 class CorruptionError(CkptStoreError):
-    """Stored bytes or records do not match what the commit record promises."""
+    """Stored bytes or records do not match what the commit record promises,
+    or a stored record is malformed, oversized or not canonical."""
+
+
+class ExtraRequiredError(CkptStoreError, ImportError):
+    """A command or module needs an optional dependency group that is not
+    installed; the message names the ``pip install`` line."""
+
+    def __init__(self, what: str, extra: str, missing: str) -> None:
+        self.extra = extra
+        super().__init__(f"{what} needs the '{extra}' extra ({missing} is not installed): pip install 'ckptstore[{extra}]'")
 
 
 class IdentityMismatchError(CkptStoreError):
@@ -83,10 +100,6 @@ class IdentityMismatchError(CkptStoreError):
         )
 
 
-class SaveAbortedError(CkptStoreError):
+class SaveAbortedError(SaveNotPublishedError):
     """A save was abandoned before its commit (an exception inside the ``with``
     block, an I/O error, or a failed verification). Nothing was published."""
-
-
-class BudgetExhaustedError(CkptStoreError):
-    """The declared compute budget is spent; the run must stop."""

@@ -16,7 +16,7 @@ from typing import Any
 import blake3
 
 from .errors import InvalidInputError
-from .protocol import encode_record
+from .protocol.canonical import canonical_json
 
 #: The fields the seeds name; every one must match for a resume.
 CORE_FIELDS = ("data_digest", "code_digest", "optimizer_revision", "feature_contract", "world_size", "environment")
@@ -81,14 +81,14 @@ def normalize_identity(identity: RunIdentity | Mapping[str, Any]) -> dict[str, A
         if not isinstance(k, str) or not k:
             raise InvalidInputError(f"identity field names must be non-empty strings, got {k!r}")
     try:
-        encode_record(d)
+        canonical_json(d)
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"identity must be JSON-representable: {exc}") from None
     return d
 
 
 def identity_digest(identity: Mapping[str, Any]) -> str:
-    return blake3.blake3(encode_record(dict(identity))).hexdigest()
+    return blake3.blake3(canonical_json(dict(identity))).hexdigest()
 
 
 def diff_identity(stored: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -96,7 +96,7 @@ def diff_identity(stored: Mapping[str, Any], requested: Mapping[str, Any]) -> di
     out: dict[str, tuple[Any, Any]] = {}
     for k in sorted(set(stored) | set(requested)):
         a, b = stored.get(k, _MISSING), requested.get(k, _MISSING)
-        if encode_record({"v": a if a is not _MISSING else "<absent>"}) != encode_record(
+        if canonical_json({"v": a if a is not _MISSING else "<absent>"}) != canonical_json(
             {"v": b if b is not _MISSING else "<absent>"}
         ):
             out[k] = (None if a is _MISSING else a, None if b is _MISSING else b)
@@ -122,12 +122,3 @@ def digest_tree(root: str | os.PathLike[str], patterns: Iterable[str] = ("**/*.p
         data = p.read_bytes()
         h.update(len(data).to_bytes(8, "little") + data)
     return "blake3:" + h.hexdigest()
-
-
-def digest_strings(*parts: str) -> str:
-    """Stable digest of a few strings (for small, declarative identities)."""
-    h = blake3.blake3()
-    for p in parts:
-        b = p.encode()
-        h.update(len(b).to_bytes(8, "little") + b)
-    return h.hexdigest()

@@ -1,4 +1,5 @@
-"""Bounded exponential backoff for transient backend failures (above the backends)."""
+"""The one retry policy: bounded, jittered exponential backoff for transient
+backend failures. Every retry loop in ckptstore goes through it."""
 
 from __future__ import annotations
 
@@ -15,24 +16,25 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """``attempts`` tries in all; before try ``i+1`` wait ``base_delay * 2**i``
+    (capped at ``max_delay``), scaled by a random factor in [0.5, 1)."""
+
     attempts: int = 6
     base_delay: float = 0.05
     max_delay: float = 2.0
 
-    def call(self, fn: Callable[[], T], *, on_retry: Callable[[int, Exception], None] | None = None) -> T:
-        """Run ``fn``; retry on :class:`TransientError` up to ``attempts`` times
-        in all, with jittered exponential backoff. The last error propagates."""
+    def backoff(self, i: int) -> None:
+        """Sleep before retry number ``i + 1`` (``i`` counts failures so far, from 0)."""
+        delay = min(self.max_delay, self.base_delay * (2**i))
+        time.sleep(delay * (0.5 + random.random() / 2))
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``; retry on :class:`TransientError`. The last error propagates."""
         for i in range(self.attempts):
             try:
                 return fn()
-            except TransientError as exc:
+            except TransientError:
                 if i == self.attempts - 1:
                     raise
-                if on_retry is not None:
-                    on_retry(i + 1, exc)
-                delay = min(self.max_delay, self.base_delay * (2**i))
-                time.sleep(delay * (0.5 + random.random() / 2))
+                self.backoff(i)
         raise AssertionError("unreachable")
-
-
-NO_RETRY = RetryPolicy(attempts=1)

@@ -145,7 +145,7 @@ class ObjectServers:
         return f"{scheme}://{BUCKET}/{prefix}", srv.storage_options()  # type: ignore[attr-defined]
 
     def backend(self, kind: str, prefix: str) -> Backend:
-        from ckptstore.backends.objectstore import object_store_backend
+        from ckptstore.registry import backend_from_url as object_store_backend
 
         url, opts = self.url_and_options(kind, prefix)
         return object_store_backend(url, storage_options=opts)

@@ -14,7 +14,7 @@ from ckptstore import (
 from ckptstore.backends.base import Capabilities
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.retry import RetryPolicy
-from ckptstore.testing.faults import FaultyBackend, transient
+from ckptstore.faults import FaultyBackend, transient
 
 from .test_protocol import IDENT, save
 

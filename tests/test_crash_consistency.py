@@ -14,7 +14,7 @@ import pytest
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
-from ckptstore.testing.faults import Crashed, FaultyBackend
+from ckptstore.faults import Crashed, FaultyBackend
 from ckptstore.testing.simfs import SimFS
 
 IDENT = {"data_digest": "d", "code_digest": "c"}

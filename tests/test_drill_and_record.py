@@ -8,9 +8,10 @@ import pytest
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.budget import Budget, account, compare_costs, young_daly_interval
-from ckptstore.decision import Action, plan_resume
-from ckptstore.report import build_record, render_table, render_timeline_svg
+from ckptstore.protocol import AttemptRecord
+from ckptstore.runs.budget import Budget, account, compare_costs, young_daly_interval
+from ckptstore.runs.decision import Action, plan_resume
+from ckptstore.runs.report import build_record, render_table, render_timeline_svg
 
 IDENT = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
 
@@ -37,7 +38,7 @@ def test_seed_300_step_run_recovers_at_240_and_counts_60_recomputed_steps() -> N
     st2 = CheckpointStore.open(b, "receipts", identity=IDENT)
     assert st2.resumed_from.step == 240
     st2.record_event("progress", {"step": 241})
-    acc = account([a.to_record() for a in st2.attempts()], st2.events(), Budget())
+    acc = account(st2.attempts(), st2.events(), Budget())
     assert acc.attempts[0].wasted_steps == 60
     assert acc.wasted_steps == 60 and acc.interruptions == 1
     rec = build_record(CheckpointStore.open(b, "receipts", mode="r"))
@@ -48,9 +49,8 @@ def test_seed_300_step_run_recovers_at_240_and_counts_60_recomputed_steps() -> N
 
 
 def test_accounting_from_events() -> None:
-    attempts = [{"attempt": 1, "resumed_from": None, "created_at": 0},
-                {"attempt": 2, "resumed_from": 9, "created_at": 10},
-                {"attempt": 3, "resumed_from": 19, "created_at": 20}]
+    attempts = [AttemptRecord("r", 1, None, "w", 0), AttemptRecord("r", 2, 9, "w", 10),
+                AttemptRecord("r", 3, 19, "w", 20)]
     events = [ev(1, 1, "progress", step=14), ev(11, 2, "progress", step=25), ev(21, 3, "progress", step=39),
               ev(22, 3, "finished")]
     b = Budget(limit_gpu_hours=10, gpu_hours_per_step=0.1, restart_gpu_hours=0.5)

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from ckptstore import CheckpointStore, StoreUnavailableError
-from ckptstore.backends.objectstore import object_store_backend
+from ckptstore.registry import backend_from_url as object_store_backend
 from ckptstore.cli import main as cli_main
 
 from .test_protocol import IDENT, save

@@ -228,7 +228,7 @@ def test_newer_protocol_version_is_not_selected_nor_deleted(open_store, backend_
     prev = save(st, 1)
     b = backend_factory()
     future = {"protocol_version": P.PROTOCOL_VERSION + 1, "kind": "commit", "step": 9}
-    b.create(P.commit_key("run", 9, 1), P.encode_record(future))
+    b.create(P.commit_key("run", 9, 1), P.canonical_json(future))
     sel = reader(backend_factory).latest_complete(explain=True)
     assert sel.latest.save_id == prev.save_id
     assert sel.skipped[0].reason is SkipReason.UNSUPPORTED_VERSION
@@ -474,7 +474,7 @@ def test_event_ledger(open_store, backend_factory) -> None:  # type: ignore[no-u
 
 @pytest.mark.parametrize(
     "name",
-    ["../escape", "/abs", "a/../../b", "a//b", "a\\b", ".hidden", "", "a/./b", "x" * 600, "a/" + P.TMP_MARK + "x"],
+    ["../escape", "/abs", "a/../../b", "a//b", "a\\b", ".hidden", "", "a/./b", "x" * 600, "a/" + P.RESERVED_MARK + "x"],
 )
 def test_bad_component_names_write_nothing(open_store, backend_factory, name) -> None:  # type: ignore[no-untyped-def]
     st = open_store()

@@ -13,7 +13,7 @@ import torch
 from ckptstore import CheckpointStore, InvalidInputError
 from ckptstore import protocol as P
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.testing.faults import FaultyBackend
+from ckptstore.faults import FaultyBackend
 from ckptstore.torch import (
     CheckpointMismatchError,
     Checkpointer,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptstore.drill import proc
+from ckptstore.runs.drill import proc
 
 STEPS = 40
 SAVE_EVERY = 10

@@ -2,7 +2,7 @@
 
 Backends are deliberately dumb: they move bytes and report what happened.
 Retries, conflict resolution (the lost-acknowledgement read-back), hashing and
-selection live above them, in :mod:`ckptstore.store`, written once.
+selection live above them (:mod:`ckptstore.runio` and up), written once.
 
 Contract (each backend's conformance tests check it):
 
@@ -16,7 +16,8 @@ Contract (each backend's conformance tests check it):
   and raises :class:`UnsupportedBackendError` from ``create``; the store then
   refuses to commit instead of falling back to check-then-write.
 * ``get`` / ``get_range`` / ``size`` raise :class:`NotFoundError` for a missing
-  key. ``list(prefix)`` returns every object under the prefix (recursive),
+  key. ``get_range`` never returns more than ``end - start`` bytes (the store
+  bounds every read with it). ``list(prefix)`` returns every object under the prefix (recursive),
   never directories or temp files; an empty "directory" is no object.
 * ``delete`` of a missing key is not an error.
 * Infrastructure failures raise :class:`StoreUnavailableError`, or
@@ -34,11 +35,23 @@ Buffer = bytes | bytearray | memoryview
 
 @dataclass(frozen=True)
 class Capabilities:
+    """What the layers above may rely on. Both flags are read: without
+    ``atomic_create`` the store refuses to write; without ``consistent_list``
+    the read-after-write inventory check asks for each object's size instead
+    of trusting one listing."""
+
     atomic_create: bool = True
-    #: put() is durable across a power loss when it returns (fsync'd).
-    durable_put: bool = True
     #: Listing after a write sees the write (S3, GCS, POSIX, memory all do).
     consistent_list: bool = True
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could leave a backend's root (every backend calls this)."""
+    if not isinstance(key, str) or not key or key.startswith("/") or "\x00" in key or ".." in key.split("/"):
+        from ..errors import InvalidInputError
+
+        raise InvalidInputError(f"invalid key {str(key)[:120]!r}")
+    return key
 
 
 @dataclass(frozen=True)
@@ -87,14 +100,16 @@ class Backend(abc.ABC):
             return False
         return True
 
-    def stale_temporaries(self, prefix: str, older_than: float) -> list[str]:
-        """Temporary files under ``prefix`` last written before ``older_than``
-        (epoch seconds) that a killed writer left behind. They are never objects.
-        Backends whose uploads are atomic have none."""
+    def list_incomplete(self, prefix: str, older_than: float) -> list[str]:
+        """What killed writers left behind under ``prefix``, last touched before
+        ``older_than`` (epoch seconds), that is not an object: temporary files
+        on a disk, unfinished multipart uploads on S3. Handles are opaque
+        strings for :meth:`remove_incomplete`. Backends that leave nothing
+        behind return []."""
         return []
 
-    def remove_temporary(self, name: str) -> None:  # noqa: B027 - optional hook
-        """Remove one entry returned by :meth:`stale_temporaries`."""
+    def remove_incomplete(self, handle: str) -> None:  # noqa: B027 - optional hook
+        """Remove one entry returned by :meth:`list_incomplete`."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients and connections. Idempotent."""

@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
-from ..protocol import TMP_MARK
-from .base import Backend, Buffer, Capabilities, ObjectInfo
+from ..protocol.layout import RESERVED_MARK as TMP_MARK
+from .base import Backend, Buffer, Capabilities, ObjectInfo, check_key
 
 
 class PosixOps:
@@ -91,7 +91,7 @@ class PosixOps:
 
 
 class LocalBackend(Backend):
-    capabilities = Capabilities(atomic_create=True, durable_put=True, consistent_list=True)
+    capabilities = Capabilities(atomic_create=True, consistent_list=True)
 
     def __init__(self, root: str | os.PathLike[str], *, ops: PosixOps | None = None, create_root: bool = True) -> None:
         self.root = os.path.abspath(os.fspath(root))
@@ -107,9 +107,7 @@ class LocalBackend(Backend):
 
     # -- helpers ---------------------------------------------------------
     def _path(self, key: str) -> str:
-        if not key or key.startswith("/") or ".." in key.split("/"):
-            raise InvalidInputError(f"invalid key {key!r}")
-        return os.path.join(self.root, *key.split("/"))
+        return os.path.join(self.root, *check_key(key).split("/"))
 
     def _makedirs(self, path: str) -> None:
         """Create missing directories, each fsynced into its parent."""
@@ -246,7 +244,7 @@ class LocalBackend(Backend):
         except OSError:
             pass
 
-    def stale_temporaries(self, prefix: str, older_than: float) -> list[str]:
+    def list_incomplete(self, prefix: str, older_than: float) -> list[str]:
         base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = self._path(base_key) if base_key else self.root
         out = []
@@ -265,11 +263,21 @@ class LocalBackend(Backend):
                     out.append(os.path.relpath(path, self.root).replace(os.sep, "/"))
         return sorted(out)
 
-    def remove_temporary(self, name: str) -> None:
+    def remove_incomplete(self, name: str) -> None:
         if TMP_MARK not in name.rsplit("/", 1)[-1]:
             raise InvalidInputError(f"{name!r} is not a temporary file")
         self._unlink_quiet(self._path(name))
 
-    # raw access for tests
-    def raw_path(self, key: str) -> str:
-        return self._path(key)
+
+def backend_from_url(url: str, storage_options: dict[str, object]) -> LocalBackend:
+    """``/path``, ``relative/path`` or ``file:///path`` (no storage options)."""
+    from urllib.parse import urlparse
+
+    if storage_options:
+        raise InvalidInputError(f"the local backend takes no storage options (got: {', '.join(sorted(storage_options))})")
+    if "://" not in url:
+        return LocalBackend(url)
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise InvalidInputError(f"{url}: file URLs must be local (file:///path)")
+    return LocalBackend(parsed.path)

@@ -17,7 +17,7 @@ from .base import Backend, Buffer, Capabilities, ObjectInfo
 
 
 class MemoryBackend(Backend):
-    capabilities = Capabilities(atomic_create=True, durable_put=False, consistent_list=True)
+    capabilities = Capabilities(atomic_create=True, consistent_list=True)
 
     def __init__(self, name: str = "") -> None:
         self.url = f"memory://{name}"
@@ -59,11 +59,6 @@ class MemoryBackend(Backend):
         with self._lock:
             self._objects.pop(key, None)
 
-    # raw access for tests (ground truth, bypassing the store)
-    def raw_set(self, key: str, data: bytes) -> None:
-        with self._lock:
-            self._objects[key] = (bytes(data), time.time())
-
 
 _REGISTRY: dict[str, MemoryBackend] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -80,3 +75,11 @@ def named_memory_backend(name: str) -> MemoryBackend:
 def clear_memory_registry() -> None:
     with _REGISTRY_LOCK:
         _REGISTRY.clear()
+
+
+def backend_from_url(url: str, storage_options: dict[str, object]) -> MemoryBackend:
+    """``memory://NAME``: one backend per name in this process."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    return named_memory_backend((parsed.netloc + parsed.path).strip("/"))

@@ -2,7 +2,9 @@
 
 Subclass :class:`BackendConformance` in a pytest module and provide a
 ``backend`` fixture that yields a fresh, empty backend (a unique prefix is
-enough). Every backend ckptstore ships runs exactly this class.
+enough). Every backend ckptstore ships runs exactly this class. Tests compare
+the backend with ground truth through :class:`~ckptstore.testing.raw.RawAccess`,
+which reads and writes the storage without the backend's own methods.
 """
 
 from __future__ import annotations
@@ -13,10 +15,40 @@ import pytest
 
 from ..backends.base import Backend
 from ..errors import NotFoundError
+from .raw import RawAccess
 
 
 class BackendConformance:
     """Behaviour every :class:`Backend` must show. Needs a ``backend`` fixture."""
+
+    def test_put_lands_as_ground_truth(self, backend: Backend) -> None:
+        backend.put("g/t/obj", [b"abc", b"def"])
+        assert RawAccess(backend).get("g/t/obj") == b"abcdef"
+
+    def test_planted_object_is_seen(self, backend: Backend) -> None:
+        RawAccess(backend).set("g/planted", b"xyz")
+        assert backend.get("g/planted") == b"xyz"
+        assert backend.size("g/planted") == 3
+        assert [o.key for o in backend.list("g/")] == ["g/planted"]
+
+    def test_create_never_replaces_a_planted_object(self, backend: Backend) -> None:
+        RawAccess(backend).set("g/rec", b"theirs")
+        assert backend.create("g/rec", b"ours") is False
+        assert RawAccess(backend).get("g/rec") == b"theirs"
+
+    def test_get_range_is_bounded(self, backend: Backend) -> None:
+        RawAccess(backend).set("g/big", b"x" * 5000)
+        assert backend.get_range("g/big", 0, 11) == b"x" * 11
+        assert backend.get_range("g/big", 4990, 6000) == b"x" * 10
+        assert backend.get_range("g/big", 6000, 6001) == b""
+
+    def test_delete_removes_ground_truth(self, backend: Backend) -> None:
+        RawAccess(backend).set("g/d", b"1")
+        backend.delete("g/d")
+        assert RawAccess(backend).get("g/d") is None
+
+    def test_incomplete_hooks_are_safe_on_an_empty_prefix(self, backend: Backend) -> None:
+        assert backend.list_incomplete("nothing-here/", 1e12) == []
 
     def test_put_get_roundtrip(self, backend: Backend) -> None:
         backend.put("a/b/c.bin", [b"hello ", memoryview(b"world")])

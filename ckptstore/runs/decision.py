@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .selection import Skip
+from ..protocol.selection import Skip
 
 
 class Action(str, enum.Enum):
@@ -100,9 +100,9 @@ def plan_resume(
     storage_options: Mapping[str, Any] | None = None,
 ) -> Decision:
     """Gather the facts from the store (read-only; nothing is written) and decide."""
-    from .errors import NotFoundError
-    from .identity import diff_identity, normalize_identity
-    from .store import CheckpointStore
+    from ..errors import NotFoundError
+    from ..identity import diff_identity, normalize_identity
+    from ..store import CheckpointStore
 
     requested = normalize_identity(identity)
     try:

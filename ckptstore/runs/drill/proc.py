@@ -23,7 +23,7 @@ class ProcResult:
 
 
 def trainer_cmd(store: str, run: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ckptstore.drill.trainer", "--store", store, "--run", run, *extra]
+    return [sys.executable, "-m", "ckptstore.runs.drill.trainer", "--store", store, "--run", run, *extra]
 
 
 def run_trainer(

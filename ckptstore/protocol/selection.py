@@ -14,7 +14,13 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .protocol import AttemptRecord
+from .records import AttemptRecord, CommitRecord, ComponentEntry
+
+#: Commits tried, newest first, before selection gives up (a store stuffed with
+#: junk records cannot make a resume read without bound).
+MAX_CANDIDATES = 1000
+#: Skipped candidates reported in full; the rest are counted.
+MAX_REPORTED_SKIPS = 100
 
 
 class SaveState(str, enum.Enum):
@@ -37,6 +43,7 @@ class SkipReason(str, enum.Enum):
     UNREADABLE_RECORD = "unreadable-record"
     IDENTITY_MISMATCH = "identity-mismatch"
     UNSUPPORTED_VERSION = "unsupported-version"
+    UNREGISTERED_ATTEMPT = "unregistered-attempt"
 
 
 @dataclass(frozen=True)
@@ -91,14 +98,82 @@ def candidate_order(commits: Iterable[tuple[int, int]]) -> list[tuple[int, int]]
     return sorted(set(commits), key=lambda sa: (sa[0], sa[1]), reverse=True)
 
 
-def same_step_winner(commits: Iterable[tuple[int, int]]) -> dict[int, int]:
-    """For each step, the highest attempt that committed it."""
-    best: dict[int, int] = {}
-    for s, a in commits:
-        if a > best.get(s, -1):
-            best[s] = a
-    return best
-
-
 def uncommitted_state(age_seconds: float, grace_seconds: float) -> SaveState:
     return SaveState.IN_PROGRESS if age_seconds < grace_seconds else SaveState.PARTIAL
+
+
+@dataclass(frozen=True)
+class SaveRef:
+    """A committed save: what ``latest_complete()`` returns and ``read()`` takes."""
+
+    run_id: str
+    step: int
+    attempt: int
+    save_id: str
+    record: CommitRecord
+    manifest_digest: str
+
+    @classmethod
+    def of(cls, rec: CommitRecord) -> SaveRef:
+        return cls(rec.run_id, rec.step, rec.attempt, rec.save_id, rec, rec.manifest_digest())
+
+    @property
+    def components(self) -> dict[str, ComponentEntry]:
+        return self.record.components
+
+    @property
+    def metadata(self) -> dict[str, object]:
+        return self.record.metadata
+
+    @property
+    def total_bytes(self) -> int:
+        return self.record.total_bytes
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The answer of ``latest_complete(explain=True)``: the selected save, every
+    newer candidate skipped with its reason (at most :data:`MAX_REPORTED_SKIPS`;
+    ``more_skipped`` counts the rest), and notes for an operator (unreadable
+    attempt records, the candidate limit reached)."""
+
+    latest: SaveRef | None
+    skipped: list[Skip]
+    more_skipped: int = 0
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """One save as listed by ``list_saves()``."""
+
+    save_id: str
+    step: int
+    attempt: int
+    state: SaveState
+    detail: str
+    bytes: int
+    components: int
+    created_at: float | None
+    selected: bool = False
+    ref: SaveRef | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "save_id": self.save_id,
+            "step": self.step,
+            "attempt": self.attempt,
+            "state": self.state.value,
+            "detail": self.detail,
+            "bytes": self.bytes,
+            "components": self.components,
+            "created_at": self.created_at,
+            "selected": self.selected,
+            "manifest_digest": self.ref.manifest_digest if self.ref else None,
+        }
+
+
+def bound_skips(skipped: list[Skip]) -> tuple[list[Skip], int]:
+    """Newest first, cut to :data:`MAX_REPORTED_SKIPS` (and how many were cut)."""
+    skipped = sorted(skipped, key=lambda k: (k.step, k.attempt), reverse=True)
+    return skipped[:MAX_REPORTED_SKIPS], max(0, len(skipped) - MAX_REPORTED_SKIPS)

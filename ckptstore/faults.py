@@ -1,4 +1,4 @@
-"""A fault-injecting wrapper around any backend.
+"""A fault-injecting wrapper around any backend (public: the recovery drill kills its trainers with it; the test suites inject every fault in PROTOCOL.md with it).
 
 Faults are scheduled by operation number (every backend call counts, reads
 included) or by a predicate on (op, key). Each call is recorded in ``trace`` so
@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
-from ..backends.base import Backend, Buffer, ObjectInfo
-from ..errors import StoreUnavailableError, TransientError
+from .backends.base import Backend, Buffer, ObjectInfo
+from .errors import StoreUnavailableError, TransientError
 
 WRITE_OPS = ("put", "create", "delete")
 
@@ -270,6 +270,17 @@ class FaultyBackend(Backend):
         n, _ = self._begin("delete", key)
         self.inner.delete(key)
         self._end(n, "delete", key, "ok")
+
+    def list_incomplete(self, prefix: str, older_than: float) -> list[str]:
+        n, _ = self._begin("list_incomplete", prefix)
+        out = self.inner.list_incomplete(prefix, older_than)
+        self._end(n, "list_incomplete", prefix, f"{len(out)} entries")
+        return out
+
+    def remove_incomplete(self, handle: str) -> None:
+        n, _ = self._begin("remove_incomplete", handle)
+        self.inner.remove_incomplete(handle)
+        self._end(n, "remove_incomplete", handle, "ok")
 
     def close(self) -> None:
         self.inner.close()

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..budget import Budget, account, young_daly_interval
 from ..report import build_record, render_table, render_timeline_svg
-from ..store import CheckpointStore
+from ...store import CheckpointStore
 from .proc import ProcResult, run_trainer, trainer_cmd
 
 TOLERANCE = {"eval_accuracy": 0.01, "eval_loss": 0.01}  # declared before any run
@@ -95,7 +95,7 @@ class Drill:
 
     # -------------------------------------------------------------- stages
     def envelope(self) -> None:
-        from ..identity import digest_tree
+        from ...identity import digest_tree
         from .data import make_snapshot
 
         self.stage("1. run envelope and admission")
@@ -288,7 +288,7 @@ class Drill:
                                                                   "interruptions", "wasted_steps")},
             "elapsed_s": round(time.monotonic() - self.t0, 1),
         }
-        clean_acc = account([a.to_record() for a in self.reader("receipts-clean").attempts()],
+        clean_acc = account(self.reader("receipts-clean").attempts(),
                             self.reader("receipts-clean").events(), self.budget)
         rec["drill"]["clean_spent_gpu_hours"] = clean_acc.spent_gpu_hours
         (self.out / "record.json").write_text(json.dumps(rec, indent=2, sort_keys=True, default=str))
@@ -323,7 +323,7 @@ class Drill:
 
 def run_drill(cfg: DrillConfig) -> int:
     if cfg.steps < 40 or math.isnan(cfg.steps):
-        from ..errors import InvalidInputError
+        from ...errors import InvalidInputError
 
         raise InvalidInputError("the drill needs at least 40 steps")
     return Drill(cfg).run_all()

@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 from .budget import Budget, account, compare_costs
-from .selection import SaveState
-from .store import CheckpointStore
+from ..protocol.selection import SaveState
+from ..store import CheckpointStore
 
 
 def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: bool = True) -> dict[str, Any]:
@@ -21,7 +21,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
     run = store.run_record
     attempts = store.attempts()
     events = store.events()
-    acc = account([a.to_record() for a in attempts], events, budget)
+    acc = account(attempts, events, budget)
     sel = store.latest_complete(deep=deep, explain=True)
     saves = store.list_saves(deep=deep)
     latest = sel.latest

@@ -22,7 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
+from ..protocol.records import AttemptRecord
 
 
 @dataclass(frozen=True)
@@ -107,16 +108,12 @@ class Accounting:
         }
 
 
-def account(attempts: Iterable[Mapping[str, Any]], events: Iterable[Mapping[str, Any]], budget: Budget) -> Accounting:
-    """Rebuild the accounting from attempt records and ledger events.
-
-    ``attempts``: dicts with ``attempt``, ``resumed_from``, ``created_at``.
-    ``events``: ledger records (``event``, ``attempt``, ``at``, ``payload``).
-    """
+def account(attempts: Iterable[AttemptRecord], events: Iterable[Mapping[str, Any]], budget: Budget) -> Accounting:
+    """Rebuild the accounting from the run's attempt records and ledger events
+    (``CheckpointStore.attempts()``, ``CheckpointStore.events()``)."""
     accts: dict[int, AttemptAccount] = {}
-    for a in sorted(attempts, key=lambda r: int(r["attempt"])):
-        n = int(a["attempt"])
-        accts[n] = AttemptAccount(n, a.get("resumed_from"), a.get("created_at"))
+    for a in sorted(attempts, key=lambda r: r.number):
+        accts[a.number] = AttemptAccount(a.number, a.resumed_from, a.created_at)
     for ev in sorted(events, key=lambda e: float(e.get("at", 0))):
         n = ev.get("attempt")
         if n is None or n not in accts:

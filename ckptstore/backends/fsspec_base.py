@@ -1,21 +1,12 @@
-"""S3 and GCS backends over fsspec (s3fs, gcsfs).
+"""The shared base of object-store backends over an fsspec filesystem.
 
-Components are ordinary uploads (multipart above the block size) under the
-save's unique prefix. Records are created with the store's own conditional
-write:
-
-* S3: ``PutObject`` with ``If-None-Match: *`` through the s3fs client. The
-  answer is classified by **HTTP status**, not exception class: 412 means
-  "exists" (AWS and moto name the condition; SeaweedFS answers 412 without it
-  and s3fs would turn that into ``OSError(EINVAL)``); 409
-  ConditionalRequestConflict, 429 and 5xx are transient; 501/NotImplemented
-  means the server has no conditional writes, and committing is refused.
-* GCS: a single-request (multipart) upload with ``ifGenerationMatch=0``; 412
-  means "exists". fake-gcs-server honours the precondition only on this kind
-  of upload, so records are always sent that way (they are small).
-
-Listing filters out "directory" placeholders (SeaweedFS keeps listing a prefix
-as a directory after its last object was deleted).
+Everything but the conditional create is the same on S3 and GCS: components
+are ordinary uploads (multipart above the block size) under the save's unique
+prefix, reads are ranged, listing filters out "directory" placeholders
+(SeaweedFS keeps listing a prefix as a directory after its last object was
+deleted), and client errors are classified by **HTTP status** into the
+ckptstore hierarchy. A subclass supplies :meth:`FsspecBackend._create` (the
+store's own conditional write) and its URL factory: :mod:`.s3`, :mod:`.gcs`.
 """
 
 from __future__ import annotations
@@ -28,8 +19,9 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlparse
 
-from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError, TransientError, UnsupportedBackendError
-from .base import Backend, Buffer, Capabilities, ObjectInfo
+from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
+from ..errors import TransientError as TransientError
+from .base import Backend, Buffer, Capabilities, ObjectInfo, check_key
 
 _TRANSIENT_NAMES = (
     "ConnectionError",
@@ -47,7 +39,7 @@ _TRANSIENT_NAMES = (
 PART_SIZE = 16 * 1024 * 1024
 
 
-def _status_of(exc: BaseException) -> int | None:
+def status_of(exc: BaseException) -> int | None:
     """The HTTP status behind an s3fs/gcsfs/botocore error, wherever it hides."""
     seen = 0
     e: BaseException | None = exc
@@ -65,7 +57,7 @@ def _status_of(exc: BaseException) -> int | None:
     return None
 
 
-def _error_code(exc: BaseException) -> str:
+def error_code(exc: BaseException) -> str:
     e: BaseException | None = exc
     for _ in range(6):
         if e is None:
@@ -77,11 +69,11 @@ def _error_code(exc: BaseException) -> str:
     return ""
 
 
-def _is_transient(exc: BaseException) -> bool:
-    st = _status_of(exc)
+def is_transient(exc: BaseException) -> bool:
+    st = status_of(exc)
     if st is not None and (st >= 500 or st in (408, 429)):
         return True
-    if _error_code(exc) in ("ConditionalRequestConflict", "SlowDown", "RequestTimeout", "InternalError"):
+    if error_code(exc) in ("ConditionalRequestConflict", "SlowDown", "RequestTimeout", "InternalError"):
         return True
     e: BaseException | None = exc
     for _ in range(6):
@@ -93,27 +85,25 @@ def _is_transient(exc: BaseException) -> bool:
     return False
 
 
-class ObjectStoreBackend(Backend):
-    """A bucket prefix on S3 or GCS, through an fsspec filesystem."""
+class FsspecBackend(Backend):
+    """A bucket prefix on an object store, through an fsspec filesystem."""
 
-    capabilities = Capabilities(atomic_create=True, durable_put=True, consistent_list=True)
+    capabilities = Capabilities(atomic_create=True, consistent_list=True)
+    scheme = ""
+    #: environment variables the client reads its endpoint from
+    endpoint_env: tuple[str, ...] = ()
 
-    def __init__(self, fs: Any, root: str, *, scheme: str) -> None:
-        if scheme not in ("s3", "gs"):
-            raise InvalidInputError(f"unsupported object-store scheme {scheme!r}")
+    def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
-        self.scheme = scheme
         self.root = root.strip("/")
         if not self.root:
             raise InvalidInputError("object-store URL needs a bucket (s3://bucket/prefix)")
         self.bucket = self.root.split("/", 1)[0]
-        self.url = f"{scheme}://{self.root}"
+        self.url = f"{self.scheme}://{self.root}"
 
     # -- helpers ---------------------------------------------------------
     def _path(self, key: str) -> str:
-        if not key or key.startswith("/") or ".." in key.split("/"):
-            raise InvalidInputError(f"invalid key {key!r}")
-        return f"{self.root}/{key}"
+        return f"{self.root}/{check_key(key)}"
 
     def _key(self, path: str) -> str:
         path = path.lstrip("/")
@@ -124,16 +114,16 @@ class ObjectStoreBackend(Backend):
     def _raise(self, exc: BaseException, what: str, key: str) -> None:
         """Translate a client error into the ckptstore hierarchy (always raises)."""
         where = f"{self.url}/{key}"
-        if isinstance(exc, FileNotFoundError) or _status_of(exc) == 404:
-            code = _error_code(exc)
+        if isinstance(exc, FileNotFoundError) or status_of(exc) == 404:
+            code = error_code(exc)
             if code == "NoSuchBucket" or "bucket" in str(exc).lower():
                 raise StoreUnavailableError(
                     f"{self.url}: bucket {self.bucket!r} does not exist (or is not visible with these credentials)"
                 ) from exc
             raise NotFoundError(f"{where}: no such object") from exc
-        if _is_transient(exc):
+        if is_transient(exc):
             raise TransientError(f"{where}: {what} failed transiently: {exc}") from exc
-        st = _status_of(exc)
+        st = status_of(exc)
         if isinstance(exc, PermissionError) or st in (401, 403) or "Forbidden" in str(exc):
             raise StoreUnavailableError(
                 f"{self.url}: access denied during {what} of {key!r}; check the credentials "
@@ -156,11 +146,16 @@ class ObjectStoreBackend(Backend):
             raise
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
         try:
-            return bytes(self.fs.cat_file(self._path(key), start=start, end=end))
+            data = bytes(self.fs.cat_file(self._path(key), start=start, end=end))
         except Exception as exc:  # noqa: BLE001
+            if status_of(exc) == 416 or "not satisfiable" in str(exc):
+                return b""  # the object exists and ends before ``start`` (e.g. an empty one)
             self._raise(exc, "ranged read", key)
             raise
+        return data[: end - start]
 
     def put(self, key: str, chunks: Iterable[Buffer]) -> None:
         path = self._path(key)
@@ -208,48 +203,14 @@ class ObjectStoreBackend(Backend):
     def create(self, key: str, data: bytes) -> bool:
         path = self._path(key)
         try:
-            if self.scheme == "s3":
-                return self._s3_create(path, bytes(data))
-            return self._gcs_create(path, bytes(data))
+            return self._create(path, bytes(data))
         finally:
             self._invalidate(path.rsplit("/", 1)[0])
 
-    def _s3_create(self, path: str, data: bytes) -> bool:
-        from fsspec.asyn import sync
-
-        bucket, _, k = path.partition("/")
-
-        async def go() -> Any:
-            s3 = await self.fs.get_s3(bucket)
-            return await s3.put_object(Bucket=bucket, Key=k, Body=data, IfNoneMatch="*")
-
-        try:
-            sync(self.fs.loop, go)
-            return True
-        except Exception as exc:  # noqa: BLE001
-            st = _status_of(exc)
-            if st == 412:
-                return False
-            code = _error_code(exc)
-            if st == 501 or code in ("NotImplemented", "InvalidArgument") and "If-None-Match" in str(exc):
-                raise UnsupportedBackendError(
-                    f"{self.url}: the server does not support conditional writes (If-None-Match: *); "
-                    "ckptstore cannot commit atomically there"
-                ) from exc
-            self._raise(exc, "conditional create", self._key(path))
-            raise
-
-    def _gcs_create(self, path: str, data: bytes) -> bool:
-        try:
-            self.fs.pipe_file(path, data, mode="create")
-            return True
-        except FileExistsError:
-            return False
-        except Exception as exc:  # noqa: BLE001
-            if _status_of(exc) == 412:
-                return False
-            self._raise(exc, "conditional create", self._key(path))
-            raise
+    def _create(self, path: str, data: bytes) -> bool:
+        """The store's own create-if-absent: True if created, False if the
+        object existed (HTTP 412); other failures through :meth:`_raise`."""
+        raise NotImplementedError
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         # list the deepest "directory" of the prefix, then filter by the full prefix
@@ -270,7 +231,7 @@ class ObjectStoreBackend(Backend):
             key = self._key(path)
             if not key.startswith(prefix):
                 continue
-            out.append(ObjectInfo(key, int(info.get("size") or 0), _mtime(info)))
+            out.append(ObjectInfo(key, int(info.get("size") or 0), mtime_of(info)))
         out.sort(key=lambda o: o.key)
         return out
 
@@ -293,7 +254,7 @@ class ObjectStoreBackend(Backend):
         except FileNotFoundError:
             pass
         except Exception as exc:  # noqa: BLE001
-            if _status_of(exc) == 404:
+            if status_of(exc) == 404:
                 return
             self._raise(exc, "delete", key)
         finally:
@@ -304,7 +265,7 @@ class ObjectStoreBackend(Backend):
         try:
             ok = self.fs.exists(self.bucket)
         except Exception as exc:  # noqa: BLE001
-            if _is_transient(exc):
+            if is_transient(exc):
                 raise StoreUnavailableError(
                     f"{self.url}: cannot reach the endpoint ({type(exc).__name__}: {exc}); check the endpoint URL "
                     "(AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST or storage_options) and the network"
@@ -321,7 +282,7 @@ class ObjectStoreBackend(Backend):
         pass
 
 
-def _mtime(info: Mapping[str, Any]) -> float:
+def mtime_of(info: Mapping[str, Any]) -> float:
     for k in ("LastModified", "updated", "mtime", "timeCreated"):
         v = info.get(k)
         if v is None:
@@ -337,13 +298,12 @@ def _mtime(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
-def _probe_endpoint(url: str, scheme: str, opts: Mapping[str, Any]) -> None:
+def probe_endpoint(url: str, endpoint_env: tuple[str, ...], opts: Mapping[str, Any]) -> None:
     """Fail fast (seconds, not the clients' minutes of retries) when an explicitly
     configured endpoint does not accept connections."""
     endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
     if not endpoint:
-        env = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if scheme == "s3" else ("STORAGE_EMULATOR_HOST",)
-        endpoint = next((os.environ[e] for e in env if os.environ.get(e)), None)
+        endpoint = next((os.environ[e] for e in endpoint_env if os.environ.get(e)), None)
     if not endpoint:
         return
     parsed = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
@@ -360,45 +320,20 @@ def _probe_endpoint(url: str, scheme: str, opts: Mapping[str, Any]) -> None:
         ) from None
 
 
-def object_store_backend(url: str, *, storage_options: dict[str, Any]) -> ObjectStoreBackend:
-    """Build the backend for ``s3://bucket/prefix`` or ``gs://``/``gcs://``.
-
-    ``storage_options`` go to s3fs/gcsfs unchanged (``key``, ``secret``,
-    ``endpoint_url``, ``client_kwargs``, ``token``, ``project`` ...). The clients'
-    standard environment variables apply: ``AWS_ENDPOINT_URL``,
-    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``;
-    ``STORAGE_EMULATOR_HOST`` for GCS.
-    """
+def prepare_options(url: str, storage_options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(``bucket/prefix``, options with ckptstore's defaults: no instance or
+    listing caches, whose staleness would break read-after-write checks)."""
     parsed = urlparse(url)
-    scheme = "gs" if parsed.scheme.lower() in ("gs", "gcs") else "s3"
-    root = (parsed.netloc + parsed.path).strip("/")
     if not parsed.netloc:
-        raise InvalidInputError(f"{url}: missing bucket name ({scheme}://bucket/prefix)")
+        raise InvalidInputError(f"{url}: missing bucket name ({parsed.scheme}://bucket/prefix)")
     opts = dict(storage_options)
     opts.setdefault("skip_instance_cache", True)
     opts.setdefault("use_listings_cache", False)
-    try:
-        if scheme == "s3":
-            import s3fs
+    return (parsed.netloc + parsed.path).strip("/"), opts
 
-            cfg = dict(opts.pop("config_kwargs", {}) or {})
-            cfg.setdefault("connect_timeout", 10)
-            cfg.setdefault("read_timeout", 120)
-            cfg.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
-            fs = s3fs.S3FileSystem(config_kwargs=cfg, **opts)
-        else:
-            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-            import gcsfs
 
-            if "endpoint_url" not in opts and os.environ.get("STORAGE_EMULATOR_HOST"):
-                opts.setdefault("token", "anon")
-            fs = gcsfs.GCSFileSystem(**opts)
-    except ImportError as exc:
-        extra = "s3" if scheme == "s3" else "gcs"
-        raise InvalidInputError(f"{url}: install ckptstore[{extra}] to use {scheme}:// URLs ({exc})") from None
-    except TypeError as exc:
-        raise InvalidInputError(f"{url}: bad storage_options: {exc}") from None
-    _probe_endpoint(url, scheme, storage_options)
-    backend = ObjectStoreBackend(fs, root, scheme=scheme)
+def finish_backend(backend: FsspecBackend, url: str, storage_options: Mapping[str, Any]) -> FsspecBackend:
+    """Probe the endpoint and the bucket so a misconfiguration fails in seconds, clearly."""
+    probe_endpoint(url, backend.endpoint_env, storage_options)
     backend.check_bucket()
     return backend

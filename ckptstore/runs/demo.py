@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from .store import CheckpointStore
+from ..store import CheckpointStore
 
 IDENTITY = {"data_digest": "demo-data-1", "code_digest": "demo-code-1", "optimizer_revision": "sgd-r1"}
 RUN = "demo-run"
@@ -43,7 +43,7 @@ def run_demo(url: str | None = None) -> int:
     print(f"store: {url}   run: {RUN}")
     print("1. a writer saves steps 1-3, then is SIGKILLed while writing step 4")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptstore.demo", "writer", url, "4", "4"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "ckptstore.runs.demo", "writer", url, "4", "4"], stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -61,7 +61,7 @@ def run_demo(url: str | None = None) -> int:
         print(f"   skipped step {s.step}: {s.reason.value} ({s.detail})")
     print("3. the run resumes and commits step 4 again, then step 5")
     out = subprocess.run(
-        [sys.executable, "-m", "ckptstore.demo", "writer", url, "5", "-1"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "ckptstore.runs.demo", "writer", url, "5", "-1"], capture_output=True, text=True, check=True
     )
     for line in out.stdout.splitlines():
         print("   writer:", line)

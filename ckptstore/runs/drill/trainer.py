@@ -6,7 +6,7 @@ and gradient accumulation, so a resume that loses any of that state diverges.
 
 Run as a process (the drill kills it with SIGKILL)::
 
-    python -m ckptstore.drill.trainer --store DIR --run RUN --steps 60 --save-every 10
+    python -m ckptstore.runs.drill.trainer --store DIR --run RUN --steps 60 --save-every 10
 
 Lines on stdout (flushed) tell the parent what happened: ``FRESH``,
 ``RESUMED <step>``, ``STEP <k>``, ``SAVE-BEGIN <k>``, ``COMMITTED <k> <s>``,
@@ -34,10 +34,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..budget import Budget, account
 from ..decision import Action, plan_resume
-from ..errors import CkptStoreError, NotFoundError
-from ..identity import RunIdentity, digest_tree
-from ..store import CheckpointStore
-from ..torch import Checkpointer, ResumableSampler, torch_environment
+from ...errors import CkptStoreError, NotFoundError
+from ...identity import RunIdentity, digest_tree
+from ...store import CheckpointStore
+from ...torch import Checkpointer, ResumableSampler, torch_environment
 from .data import CLASSES, Snapshot, make_snapshot
 
 
@@ -170,7 +170,7 @@ def spent_so_far(url: Any, run_id: str, budget: Budget, storage_options: dict[st
         st = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options)
     except NotFoundError:
         return 0.0
-    acc = account([a.to_record() for a in st.attempts()], st.events(), budget)
+    acc = account(st.attempts(), st.events(), budget)
     # a restart about to happen costs its start-up too
     return acc.spent_gpu_hours + (budget.restart_gpu_hours if acc.attempts else 0.0)
 
@@ -226,8 +226,8 @@ def train(
         raise CkptStoreError(f"identity changed: {decision.mismatched_fields}")
     backend: Any = url
     if slow_commit or slow_after_component or slow_mid_component:
-        from ..testing.faults import FaultyBackend
-        from ..urls import backend_from_url
+        from ...faults import FaultyBackend
+        from ...registry import backend_from_url
 
         fb = FaultyBackend(backend_from_url(url, storage_options=storage_options))
         if slow_commit:

@@ -1,0 +1,103 @@
+"""S3 (and S3-compatible servers) through s3fs.
+
+Records are created with ``PutObject`` and ``If-None-Match: *`` on the s3fs
+client's own aiobotocore client (``S3FileSystem.get_s3``): s3fs's
+``pipe_file(mode="create")`` maps a 412 to ``FileExistsError`` only when the
+server names the condition, and SeaweedFS answers 412 without naming it, which
+s3fs would turn into ``OSError(EINVAL)``. So the answer is classified by HTTP
+status: 412 means "exists"; 409 ConditionalRequestConflict, 429 and 5xx are
+transient; 501/NotImplemented means the server has no conditional writes, and
+committing is refused.
+
+Killed component uploads can leave unfinished multipart uploads behind; they
+are listed by :meth:`S3Backend.list_incomplete` and aborted by gc.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InvalidInputError, UnsupportedBackendError
+from .fsspec_base import FsspecBackend, error_code, finish_backend, mtime_of, prepare_options, status_of
+
+
+class S3Backend(FsspecBackend):
+    scheme = "s3"
+    endpoint_env = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        from fsspec.asyn import sync
+
+        async def go() -> Any:
+            client = await self.fs.get_s3(self.bucket)
+            return await getattr(client, method)(**kwargs)
+
+        return sync(self.fs.loop, go)
+
+    def _create(self, path: str, data: bytes) -> bool:
+        bucket, _, key = path.partition("/")
+        try:
+            self._call("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            return True
+        except Exception as exc:  # noqa: BLE001
+            st = status_of(exc)
+            if st == 412:
+                return False
+            code = error_code(exc)
+            if st == 501 or code in ("NotImplemented", "InvalidArgument") and "If-None-Match" in str(exc):
+                raise UnsupportedBackendError(
+                    f"{self.url}: the server does not support conditional writes (If-None-Match: *); "
+                    "ckptstore cannot commit atomically there"
+                ) from exc
+            self._raise(exc, "conditional create", self._key(path))
+            raise
+
+    def list_incomplete(self, prefix: str, older_than: float) -> list[str]:
+        """Unfinished multipart uploads under ``prefix`` started before
+        ``older_than``; handles are ``upload_id:key``."""
+        root_prefix = f"{self.root}/{prefix}".split("/", 1)[1]
+        out: list[str] = []
+        try:
+            resp = self._call("list_multipart_uploads", Bucket=self.bucket, Prefix=root_prefix)
+        except Exception as exc:  # noqa: BLE001
+            self._raise(exc, "list multipart uploads", prefix)
+            raise
+        for up in resp.get("Uploads", []) or []:
+            if mtime_of({"LastModified": up.get("Initiated")}) < older_than:
+                out.append(f"{up['UploadId']}:{self._key(self.bucket + '/' + up['Key'])}")
+        return sorted(out)
+
+    def remove_incomplete(self, handle: str) -> None:
+        upload_id, _, key = handle.partition(":")
+        if not upload_id or not key:
+            raise InvalidInputError(f"{handle!r} is not an unfinished-upload handle")
+        path = self._path(key)
+        try:
+            self._call("abort_multipart_upload", Bucket=self.bucket, Key=path.partition("/")[2], UploadId=upload_id)
+        except Exception as exc:  # noqa: BLE001
+            if status_of(exc) == 404:
+                return
+            self._raise(exc, "abort multipart upload", key)
+
+
+def backend_from_url(url: str, storage_options: dict[str, Any]) -> S3Backend:
+    """``s3://bucket[/prefix]``. ``storage_options`` go to s3fs unchanged (``key``,
+    ``secret``, ``endpoint_url``, ``client_kwargs``, ``config_kwargs`` ...); the
+    standard variables apply (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``)."""
+    root, opts = prepare_options(url, storage_options)
+    try:
+        import s3fs
+    except ImportError as exc:
+        raise InvalidInputError(f"{url}: install ckptstore[s3] to use s3:// URLs ({exc})") from None
+    cfg = dict(opts.pop("config_kwargs", {}) or {})
+    cfg.setdefault("connect_timeout", 10)
+    cfg.setdefault("read_timeout", 120)
+    cfg.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
+    try:
+        fs = s3fs.S3FileSystem(config_kwargs=cfg, **opts)
+    except TypeError as exc:
+        raise InvalidInputError(f"{url}: bad storage_options: {exc}") from None
+    backend = finish_backend(S3Backend(fs, root), url, storage_options)
+    assert isinstance(backend, S3Backend)
+    return backend

@@ -1,0 +1,255 @@
+"""The catalog: one walk over a run's candidate commits, shared by selection
+(``latest_complete``), listing (``list_saves``) and gc's view of the run
+(PROTOCOL.md §4.4, §4.5).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from .backends.base import ObjectInfo
+from .errors import CorruptionError, NotFoundError
+from .fencing import AttemptLog, AttemptView
+from .protocol import (
+    CommitRecord,
+    UnsupportedVersion,
+    commit_key,
+    commits_prefix,
+    component_key,
+    parse_commit_name,
+    parse_save_id,
+    saves_prefix,
+)
+from .protocol.records import MAX_COMMIT_RECORD
+from .protocol.selection import (
+    MAX_CANDIDATES,
+    SaveInfo,
+    SaveRef,
+    SaveState,
+    Selection,
+    Skip,
+    SkipReason,
+    bound_skips,
+    candidate_order,
+    describe_superseder,
+    superseded_by,
+    uncommitted_state,
+)
+from .runio import RunIO
+
+Problems = list[tuple[SkipReason, str]]
+
+
+@dataclass
+class Scan:
+    """One consistent-enough snapshot of a run: its commits, the objects under
+    its saves, and its attempts (three listings)."""
+
+    commits: dict[tuple[int, int], ObjectInfo]
+    save_objects: dict[str, dict[str, ObjectInfo]]
+    attempts: AttemptView
+
+    @classmethod
+    def take(cls, io: RunIO, attempts: AttemptView) -> Scan:
+        commits: dict[tuple[int, int], ObjectInfo] = {}
+        for o in io.list(commits_prefix(io.run_id)):
+            sa = parse_commit_name(o.key.rsplit("/", 1)[-1])
+            if sa is not None:
+                commits[sa] = o
+        save_objects: dict[str, dict[str, ObjectInfo]] = {}
+        sp = saves_prefix(io.run_id)
+        for o in io.list(sp):
+            rest = o.key[len(sp) :]
+            if "/" in rest:
+                sid, name = rest.split("/", 1)
+                save_objects.setdefault(sid, {})[name] = o
+        return cls(commits, save_objects, attempts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One commit as the walk judged it."""
+
+    step: int
+    attempt: int
+    ref: SaveRef | None
+    problems: Problems
+    save_id: str | None
+
+
+class Catalog:
+    """Reads and judges one run's commits."""
+
+    def __init__(self, io: RunIO, attempts: AttemptLog, identity_digest: str) -> None:
+        self.io = io
+        self.attempts = attempts
+        self.identity_digest = identity_digest
+
+    def scan(self, attempts: AttemptView | None = None) -> Scan:
+        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load())
+
+    # -------------------------------------------------------------- records
+    def load_commit(self, step: int, attempt: int) -> CommitRecord:
+        key = commit_key(self.io.run_id, step, attempt)
+        data = self.io.get_bounded(key, MAX_COMMIT_RECORD)
+        return CommitRecord.decode(data, self.io.where(key), run_id=self.io.run_id, step=step, attempt=attempt)
+
+    def check_components(self, rec: CommitRecord, listed: Mapping[str, ObjectInfo] | None, deep: bool) -> Problems:
+        """Every component present with its recorded size (from ``listed``, or
+        one size request each); with ``deep``, re-hashed (never reading more
+        than its recorded size + 1 bytes)."""
+        problems: Problems = []
+        for name, comp in sorted(rec.components.items()):
+            key = component_key(self.io.run_id, rec.save_id, name)
+            size: int | None
+            if listed is not None:
+                info = listed.get(name)
+                size = info.size if info is not None else None
+            else:
+                try:
+                    size = self.io.size(key)
+                except NotFoundError:
+                    size = None
+            if size is None:
+                problems.append((SkipReason.MISSING_COMPONENT, f"component {name!r} is missing"))
+                continue
+            if size != comp.size:
+                problems.append(
+                    (SkipReason.SIZE_MISMATCH, f"component {name!r} has {size} bytes, record says {comp.size}")
+                )
+                continue
+            if deep:
+                try:
+                    seen, digest = self.io.hash_object(key, comp.size)
+                except NotFoundError:
+                    problems.append((SkipReason.MISSING_COMPONENT, f"component {name!r} vanished while hashing"))
+                    continue
+                if seen != comp.size:
+                    problems.append(
+                        (SkipReason.SIZE_MISMATCH, f"component {name!r} changed size while hashing ({seen} bytes)")
+                    )
+                elif digest != comp.blake3:
+                    problems.append((SkipReason.HASH_MISMATCH, f"component {name!r} BLAKE3 does not match the record"))
+        return problems
+
+    def evaluate(self, step: int, attempt: int, scan: Scan, deep: bool) -> Candidate:
+        """Judge one commit: a ref if it verifies, else its problems."""
+        if attempt not in scan.attempts.records and attempt not in scan.attempts.unreadable:
+            detail = f"made by attempt {attempt}, which was never registered (record not read)"
+            return Candidate(step, attempt, None, [(SkipReason.UNREGISTERED_ATTEMPT, detail)], None)
+        later = superseded_by(step, attempt, scan.attempts.effective)
+        try:
+            rec = self.load_commit(step, attempt)
+        except UnsupportedVersion as exc:
+            return Candidate(step, attempt, None, [(SkipReason.UNSUPPORTED_VERSION, str(exc))], None)
+        except NotFoundError:
+            return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, "commit record vanished")], None)
+        except CorruptionError as exc:
+            return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, str(exc))], None)
+        sid = rec.save_id
+        if later is not None:
+            return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED, describe_superseder(later))], sid)
+        if rec.identity_digest != self.identity_digest:
+            detail = "commit was made under another identity"
+            return Candidate(step, attempt, None, [(SkipReason.IDENTITY_MISMATCH, detail)], sid)
+        problems = self.check_components(rec, scan.save_objects.get(sid, {}), deep)
+        return Candidate(step, attempt, None if problems else SaveRef.of(rec), problems, sid)
+
+    def walk(self, scan: Scan, deep: bool) -> Iterator[Candidate]:
+        """Every commit, newest first, judged; a step already committed by a
+        later attempt that verified makes older commits of it superseded."""
+        seen_steps: set[int] = set()
+        for step, attempt in candidate_order(scan.commits):
+            c = self.evaluate(step, attempt, scan, deep)
+            if c.ref is not None and step in seen_steps:
+                detail = f"step {step} was committed again by a later attempt"
+                c = Candidate(step, attempt, None, [(SkipReason.SUPERSEDED, detail)], c.save_id)
+            if c.ref is not None:
+                seen_steps.add(step)
+            yield c
+
+    # ------------------------------------------------------------ selection
+    def select(self, deep: bool, attempts: AttemptView | None = None) -> Selection:
+        scan = self.scan(attempts)
+        skipped: list[Skip] = []
+        committed_ids: set[str] = set()
+        chosen: SaveRef | None = None
+        notes = list(scan.attempts.notes())
+        for tried, c in enumerate(self.walk(scan, deep)):
+            if tried >= MAX_CANDIDATES:
+                notes.append(f"gave up after {MAX_CANDIDATES} candidate commits; older ones were not tried")
+                break
+            if c.save_id:
+                committed_ids.add(c.save_id)
+            if c.ref is not None:
+                chosen = c.ref
+                break
+            skipped.append(Skip(c.step, c.attempt, c.save_id, c.problems[0][0], "; ".join(d for _, d in c.problems)))
+        # Uncommitted saves newer than the choice are candidates too (their IDs carry step and attempt).
+        for sid, objs in scan.save_objects.items():
+            sa = parse_save_id(sid)
+            if sid in committed_ids or sa is None:
+                continue
+            if chosen is None or sa > (chosen.step, chosen.attempt):
+                detail = f"{len(objs)} component(s) written, no commit record"
+                skipped.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, detail))
+        shown, more = bound_skips(skipped)
+        return Selection(chosen, shown, more, tuple(notes))
+
+    def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
+        """The commit of ``step`` (the highest attempt, unless given); not verified."""
+        if attempt is None:
+            found = sorted(a for s, a in self.scan().commits if s == step)
+            if not found:
+                raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}")
+            attempt = found[-1]
+        try:
+            return SaveRef.of(self.load_commit(step, attempt))
+        except NotFoundError:
+            raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}, attempt {attempt}") from None
+
+    # -------------------------------------------------------------- listing
+    def list_saves(self, scan: Scan, deep: bool, grace_seconds: float) -> list[SaveInfo]:
+        """Every save of the run, committed or not, newest first, with its state."""
+        latest: SaveRef | None = None
+        out: list[SaveInfo] = []
+        committed_ids: set[str] = set()
+        for c in self.walk(scan, deep):
+            if c.ref is not None and latest is None:
+                latest = c.ref
+            if c.save_id:
+                committed_ids.add(c.save_id)
+            objs = scan.save_objects.get(c.save_id or "", {})
+            if c.ref is not None:
+                state, detail = SaveState.COMMITTED, "verified" if deep else "sizes verified"
+            elif c.problems[0][0] is SkipReason.SUPERSEDED:
+                state, detail = SaveState.SUPERSEDED, c.problems[0][1]
+            elif c.problems[0][0] is SkipReason.UNSUPPORTED_VERSION:
+                state, detail = SaveState.UNSUPPORTED, c.problems[0][1]
+            else:
+                state, detail = SaveState.CORRUPT, "; ".join(d for _, d in c.problems)
+            selected = latest is not None and c.ref is not None and c.ref.save_id == latest.save_id
+            out.append(
+                SaveInfo(
+                    c.save_id or "?", c.step, c.attempt, state, detail, sum(o.size for o in objs.values()),
+                    len(objs), scan.commits[(c.step, c.attempt)].mtime, selected=selected, ref=c.ref,
+                )
+            )
+        now = time.time()
+        for sid, objs in scan.save_objects.items():
+            sa = parse_save_id(sid)
+            if sid in committed_ids or sa is None:
+                continue  # a directory whose name does not parse is not ckptstore's: never listed, never deleted
+            newest = max(o.mtime for o in objs.values())
+            state = uncommitted_state(now - newest, grace_seconds)
+            detail = f"{len(objs)} component(s) written, no commit record; last write {now - newest:.0f}s ago"
+            later = superseded_by(sa[0], sa[1], scan.attempts.effective)
+            if later is not None:
+                # its writer was replaced before this step: it can never be committed
+                state = SaveState.PARTIAL
+                detail = f"abandoned ({describe_superseder(later)}); {detail}"
+            out.append(SaveInfo(sid, sa[0], sa[1], state, detail, sum(o.size for o in objs.values()), len(objs), None))
+        out.sort(key=lambda i: (i.step, i.attempt), reverse=True)
+        return out

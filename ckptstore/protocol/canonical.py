@@ -1,0 +1,120 @@
+"""Canonical JSON: the one encoder for everything ckptstore stores as JSON,
+and the strict, bounded decoder for everything it reads back.
+
+Encoding: UTF-8, keys sorted, no insignificant whitespace, no NaN/Infinity.
+Byte-stable, so two encodings of one value compare equal (the lost-ack
+read-back and the manifest digest rely on it).
+
+Decoding treats stored bytes as hostile input: a size cap before parsing, no
+NaN/Infinity, no duplicate keys, bounded integers, bounded nesting, no lone
+surrogates, and (for records) the bytes must be exactly the canonical encoding
+of what they decode to. Every failure is a :class:`CorruptionError`; nothing
+else escapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..errors import CorruptionError
+
+#: Deepest nesting accepted when decoding (records are shallow; user metadata
+#: and torch state trees rarely exceed a dozen levels).
+MAX_DEPTH = 64
+#: Longest integer literal accepted (a uint64 has 20 digits).
+MAX_INT_DIGITS = 24
+
+
+def canonical_json(value: Any) -> bytes:
+    """The canonical bytes of a JSON value. Raises ``ValueError``/``TypeError``
+    for values JSON cannot represent exactly (NaN, infinities, non-string keys
+    of other types, arbitrary objects)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+        "utf-8"
+    )
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"integer literal of {len(text)} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text[:32]} overflows a float")
+    return v
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k[:64]!r}")
+        out[k] = v
+    return out
+
+
+def _depth_ok(data: bytes, limit: int) -> bool:
+    """Cheap pre-scan: brackets outside strings never nest deeper than ``limit``."""
+    depth = 0
+    in_str = False
+    escaped = False
+    for b in data:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:  # backslash
+                escaped = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def decode_json(data: bytes, *, where: str, max_bytes: int, canonical: bool = False) -> Any:
+    """Decode stored JSON strictly. ``canonical``: the bytes must also equal the
+    canonical encoding of the value (records; so a digest over the stored bytes
+    covers exactly what a reader acts on)."""
+    if len(data) > max_bytes:
+        raise CorruptionError(f"{where}: {len(data)} bytes, more than the {max_bytes} allowed for it")
+    if not _depth_ok(data, MAX_DEPTH):
+        raise CorruptionError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    try:
+        text = data.decode("utf-8")
+        value = json.loads(
+            text,
+            parse_constant=_no_constant,
+            parse_int=_bounded_int,
+            parse_float=_finite_float,
+            object_pairs_hook=_no_duplicates,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptionError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
+    if canonical:
+        try:
+            again = canonical_json(value)
+        except (ValueError, TypeError, UnicodeEncodeError) as exc:
+            raise CorruptionError(f"{where}: not representable as canonical JSON ({str(exc)[:200]})") from None
+        if again != data:
+            raise CorruptionError(f"{where}: bytes are not the canonical encoding of the record")
+    else:
+        try:
+            canonical_json(value)  # lone surrogates and the like
+        except (ValueError, TypeError, UnicodeEncodeError) as exc:
+            raise CorruptionError(f"{where}: not representable as JSON text ({str(exc)[:200]})") from None
+    return value

@@ -1,0 +1,165 @@
+"""Object layout: key names, their parsing, and input validation. Pure.
+
+Every key ckptstore creates parses back with the functions here; anything in
+the store whose name does not parse is not ckptstore's and is never deleted.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from ..errors import InvalidInputError
+
+RUN_RECORD = "RUN.json"
+ATTEMPTS_DIR = "attempts"
+SAVES_DIR = "saves"
+COMMITS_DIR = "commits"
+EVENTS_DIR = "events"
+
+STEP_WIDTH = 12
+ATTEMPT_WIDTH = 8
+MAX_STEP = 10**STEP_WIDTH - 1
+MAX_ATTEMPT = 10**ATTEMPT_WIDTH - 1
+
+#: Reserved for backends' temporary names (the local backend's temp files);
+#: never part of a key, so a temporary can never be mistaken for an object.
+RESERVED_MARK = ".ckpt-tmp-"
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+_COMMIT_RE = re.compile(rf"^(\d{{{STEP_WIDTH}}})\.(\d{{{ATTEMPT_WIDTH}}})\.json$")
+_ATTEMPT_RE = re.compile(rf"^(\d{{{ATTEMPT_WIDTH}}})\.json$")
+_SAVE_ID_RE = re.compile(rf"^(\d{{{STEP_WIDTH}}})-(\d{{{ATTEMPT_WIDTH}}})-([0-9a-f]{{12}})$")
+_EVENT_RE = re.compile(r"^(\d{20})-([A-Za-z0-9_-]{1,64})-([0-9a-f]{8})\.json$")
+_EVENT_KIND_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+# ---------------------------------------------------------------------------
+# validation of caller input (InvalidInputError: nothing has been written)
+
+
+def validate_run_id(run_id: object) -> str:
+    if not isinstance(run_id, str) or not run_id:
+        raise InvalidInputError("run ID must be a non-empty string")
+    if not _RUN_ID_RE.match(run_id):
+        raise InvalidInputError(
+            f"run ID {run_id!r} is invalid: use 1-128 characters from letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit"
+        )
+    return run_id
+
+
+def validate_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise InvalidInputError(f"step must be an int, got {type(step).__name__}")
+    if step < 0 or step > MAX_STEP:
+        raise InvalidInputError(f"step must be between 0 and {MAX_STEP}, got {step}")
+    return step
+
+
+def is_component_name(name: object) -> bool:
+    """A relative path of '/'-separated safe segments that can never escape the
+    save's prefix (no absolute path, '..', '.', backslash, empty segment or
+    reserved temporary marker)."""
+    if not isinstance(name, str) or not name or len(name) > 512:
+        return False
+    return all(_SEGMENT_RE.match(seg) and RESERVED_MARK not in seg for seg in name.split("/"))
+
+
+def validate_component_name(name: object) -> str:
+    if not is_component_name(name):
+        raise InvalidInputError(
+            f"component name {str(name)[:80]!r} is invalid: use 1-512 characters, '/'-separated segments of "
+            "letters, digits, '.', '_' and '-', none starting with '.' or '-', none empty, '.' or '..'"
+        )
+    assert isinstance(name, str)
+    return name
+
+
+def validate_event_kind(kind: object) -> str:
+    if not isinstance(kind, str) or not _EVENT_KIND_RE.match(kind):
+        raise InvalidInputError(f"event kind {str(kind)[:80]!r} must be 1-64 letters, digits, '-' or '_'")
+    return kind
+
+
+# ---------------------------------------------------------------------------
+# keys
+
+
+def run_prefix(run_id: str) -> str:
+    return f"{run_id}/"
+
+
+def run_record_key(run_id: str) -> str:
+    return f"{run_id}/{RUN_RECORD}"
+
+
+def attempts_prefix(run_id: str) -> str:
+    return f"{run_id}/{ATTEMPTS_DIR}/"
+
+
+def attempt_key(run_id: str, attempt: int) -> str:
+    if not 1 <= attempt <= MAX_ATTEMPT:
+        raise InvalidInputError(f"attempt number {attempt} is outside 1..{MAX_ATTEMPT}")
+    return f"{run_id}/{ATTEMPTS_DIR}/{attempt:0{ATTEMPT_WIDTH}d}.json"
+
+
+def commits_prefix(run_id: str) -> str:
+    return f"{run_id}/{COMMITS_DIR}/"
+
+
+def commit_key(run_id: str, step: int, attempt: int) -> str:
+    return f"{run_id}/{COMMITS_DIR}/{step:0{STEP_WIDTH}d}.{attempt:0{ATTEMPT_WIDTH}d}.json"
+
+
+def saves_prefix(run_id: str) -> str:
+    return f"{run_id}/{SAVES_DIR}/"
+
+
+def save_prefix(run_id: str, save_id: str) -> str:
+    return f"{run_id}/{SAVES_DIR}/{save_id}/"
+
+
+def component_key(run_id: str, save_id: str, name: str) -> str:
+    return f"{run_id}/{SAVES_DIR}/{save_id}/{name}"
+
+
+def events_prefix(run_id: str) -> str:
+    return f"{run_id}/{EVENTS_DIR}/"
+
+
+def event_name(usec: int, kind: str) -> str:
+    return f"{usec:020d}-{validate_event_kind(kind)}-{uuid.uuid4().hex[:8]}.json"
+
+
+def new_save_id(step: int, attempt: int) -> str:
+    """Unique per save: step and attempt for humans, 48 random bits for uniqueness."""
+    validate_step(step)
+    if not 1 <= attempt <= MAX_ATTEMPT:
+        raise InvalidInputError(f"attempt number {attempt} is outside 1..{MAX_ATTEMPT}")
+    return f"{step:0{STEP_WIDTH}d}-{attempt:0{ATTEMPT_WIDTH}d}-{uuid.uuid4().hex[:12]}"
+
+
+def parse_commit_name(name: str) -> tuple[int, int] | None:
+    m = _COMMIT_RE.match(name)
+    if not m or int(m.group(2)) < 1:
+        return None
+    return int(m.group(1)), int(m.group(2))
+
+
+def parse_attempt_name(name: str) -> int | None:
+    m = _ATTEMPT_RE.match(name)
+    return int(m.group(1)) if m and int(m.group(1)) >= 1 else None
+
+
+def parse_save_id(save_id: str) -> tuple[int, int] | None:
+    m = _SAVE_ID_RE.match(save_id)
+    if not m or int(m.group(2)) < 1:
+        return None
+    return int(m.group(1)), int(m.group(2))
+
+
+def parse_event_name(name: str) -> tuple[int, str] | None:
+    m = _EVENT_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None

@@ -1,0 +1,360 @@
+"""Typed records (run, attempt, commit, event): canonical encoding and strict,
+bounded decoding. Pure: no I/O.
+
+A stored record is hostile input until proven otherwise. ``decode`` checks, in
+order: the size cap, strict canonical JSON (:mod:`.canonical`), the version
+(a newer one raises :class:`UnsupportedVersion`), the kind, and every known
+field's exact type and range. Unknown top-level fields are tolerated (fields
+may be added within a protocol version) but count against the size cap. Every
+failure is :class:`CorruptionError` naming the record.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import blake3
+
+from ..errors import CorruptionError
+from .canonical import canonical_json, decode_json
+from .layout import MAX_ATTEMPT, MAX_STEP, is_component_name, parse_save_id, validate_event_kind
+
+#: Version written into every record. A reader accepts records whose version
+#: is <= this number; a record with a higher version is reported as
+#: "unsupported protocol version" and never selected or deleted.
+PROTOCOL_VERSION = 1
+
+#: Size caps, checked before parsing.
+MAX_RUN_RECORD = 1 << 20
+MAX_ATTEMPT_RECORD = 64 << 10
+MAX_COMMIT_RECORD = 16 << 20
+MAX_EVENT_RECORD = 1 << 20
+MAX_COMPONENTS = 100_000
+MAX_ABANDONS = 1024
+MAX_SIZE = 1 << 62
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_WRITER = re.compile(r"^[0-9A-Za-z._:-]{1,128}$")
+T = TypeVar("T")
+
+
+class UnsupportedVersion(CorruptionError):
+    """A record written by a newer ckptstore: never selected, never deleted."""
+
+    def __init__(self, version: int, where: str) -> None:
+        self.version = version
+        super().__init__(
+            f"{where}: written with protocol_version {version}; this ckptstore reads up to "
+            f"{PROTOCOL_VERSION}. Upgrade ckptstore to read it."
+        )
+
+
+def now() -> float:
+    return time.time()
+
+
+def digest_bytes(data: bytes | memoryview) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def _decode(data: bytes, *, kind: str, where: str, max_bytes: int) -> dict[str, Any]:
+    rec = decode_json(data, where=where, max_bytes=max_bytes, canonical=True)
+    if not isinstance(rec, dict):
+        raise CorruptionError(f"{where}: record is not a JSON object")
+    version = rec.get("protocol_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CorruptionError(f"{where}: record has no valid protocol_version")
+    if version > PROTOCOL_VERSION:
+        raise UnsupportedVersion(version, where)
+    if rec.get("kind") != kind:
+        raise CorruptionError(f"{where}: expected a {kind!r} record, found kind={str(rec.get('kind'))[:40]!r}")
+    return rec
+
+
+class _Fields:
+    """Typed access to a decoded record's fields; every failure names the field."""
+
+    def __init__(self, rec: Mapping[str, Any], where: str, kind: str) -> None:
+        self.rec, self.where, self.kind = rec, where, kind
+
+    def bad(self, name: str, want: str) -> CorruptionError:
+        return CorruptionError(f"{self.where}: {self.kind} record field {name!r} is missing or not {want}")
+
+    def get(self, name: str, typ: type[T], want: str) -> T:
+        v = self.rec.get(name)
+        if isinstance(v, bool) and typ is not bool or not isinstance(v, typ):
+            raise self.bad(name, want)
+        return v
+
+    def int_in(self, name: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
+        v = self.rec.get(name)
+        if v is None and optional and name in self.rec:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self.bad(name, f"an integer in {lo}..{hi}" + (" or null" if optional else ""))
+        return v
+
+    def time(self, name: str) -> float:
+        v = self.rec.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e11:
+            raise self.bad(name, "a time in seconds since the epoch")
+        return float(v)
+
+    def text(self, name: str, pattern: re.Pattern[str] | None = None, max_len: int = 256) -> str:
+        v = self.get(name, str, "a string")
+        if len(v) > max_len or (pattern is not None and not pattern.match(v)):
+            raise self.bad(name, "a well-formed string")
+        return v
+
+    def obj(self, name: str, *, optional: bool = False) -> dict[str, Any] | None:
+        v = self.rec.get(name)
+        if v is None and optional:
+            return None
+        if not isinstance(v, dict):
+            raise self.bad(name, "a JSON object")
+        return v
+
+
+def _check_run_id(f: _Fields, run_id: str | None) -> str:
+    rid = f.text("run_id", max_len=128)
+    if run_id is not None and rid != run_id:
+        raise CorruptionError(f"{f.where}: {f.kind} record names run {rid[:128]!r}, not {run_id!r}")
+    return rid
+
+
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """``RUN.json``: the identity a run is bound to, created exclusively once."""
+
+    run_id: str
+    identity: dict[str, Any]
+    identity_digest: str
+    created_at: float
+    lineage: dict[str, Any] | None = None
+
+    def encode(self) -> bytes:
+        return canonical_json(
+            {
+                "protocol_version": PROTOCOL_VERSION,
+                "kind": "run",
+                "run_id": self.run_id,
+                "identity": self.identity,
+                "identity_digest": self.identity_digest,
+                "created_at": self.created_at,
+                "lineage": self.lineage,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, where: str, *, run_id: str | None = None) -> RunRecord:
+        f = _Fields(_decode(data, kind="run", where=where, max_bytes=MAX_RUN_RECORD), where, "run")
+        identity = f.obj("identity")
+        assert identity is not None
+        return cls(
+            _check_run_id(f, run_id), identity, f.text("identity_digest", _HEX64), f.time("created_at"),
+            f.obj("lineage", optional=True),
+        )
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One start of a job that opened the run for writing.
+
+    ``number`` is a fencing token: it was created with create-if-absent, so no
+    two jobs hold the same one. ``resumed_from`` is the step the attempt
+    resumed from (None: from scratch). ``abandons`` lists earlier numbers the
+    same writer registered and gave up before writing anything (§4.2).
+    """
+
+    run_id: str
+    number: int
+    resumed_from: int | None
+    writer_id: str
+    created_at: float
+    abandons: tuple[int, ...] = ()
+    host: str = ""
+
+    def encode(self) -> bytes:
+        return canonical_json(
+            {
+                "protocol_version": PROTOCOL_VERSION,
+                "kind": "attempt",
+                "run_id": self.run_id,
+                "attempt": self.number,
+                "resumed_from": self.resumed_from,
+                "writer_id": self.writer_id,
+                "created_at": self.created_at,
+                "abandons": list(self.abandons),
+                "host": self.host,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, where: str, *, run_id: str | None = None, number: int | None = None) -> AttemptRecord:
+        f = _Fields(_decode(data, kind="attempt", where=where, max_bytes=MAX_ATTEMPT_RECORD), where, "attempt")
+        n = f.int_in("attempt", 1, MAX_ATTEMPT)
+        assert n is not None
+        if number is not None and n != number:
+            raise CorruptionError(f"{where}: attempt record names attempt {n}, its key says {number}")
+        abandons = f.rec.get("abandons", [])
+        if not isinstance(abandons, list) or len(abandons) > MAX_ABANDONS or not all(
+            isinstance(a, int) and not isinstance(a, bool) and 1 <= a < n for a in abandons
+        ):
+            raise f.bad("abandons", f"a list of earlier attempt numbers (at most {MAX_ABANDONS})")
+        return cls(
+            _check_run_id(f, run_id), n, f.int_in("resumed_from", 0, MAX_STEP, optional=True),
+            f.text("writer_id", _WRITER), f.time("created_at"), tuple(abandons), f.text("host"),
+        )
+
+
+@dataclass(frozen=True)
+class ComponentEntry:
+    """One component of a save, as promised by its commit record."""
+
+    name: str
+    size: int
+    blake3: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "blake3": self.blake3}
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The commit record: the manifest of one save, created exclusively.
+
+    Its existence is what publishes the save. ``writer_id`` is unique per
+    writer so a lost acknowledgement can be resolved by reading it back.
+    ``ranks`` (multi-process saves) maps each rank to the components it wrote;
+    ``world_size`` is the number of ranks that took part.
+    """
+
+    run_id: str
+    step: int
+    attempt: int
+    save_id: str
+    writer_id: str
+    identity_digest: str
+    components: dict[str, ComponentEntry]
+    created_at: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+    ranks: dict[int, tuple[str, ...]] | None = None
+    world_size: int | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {
+            "protocol_version": PROTOCOL_VERSION,
+            "kind": "commit",
+            "run_id": self.run_id,
+            "step": self.step,
+            "attempt": self.attempt,
+            "save_id": self.save_id,
+            "writer_id": self.writer_id,
+            "identity_digest": self.identity_digest,
+            "created_at": self.created_at,
+            "components": {n: c.to_json() for n, c in sorted(self.components.items())},
+            "metadata": self.metadata,
+        }
+        if self.ranks is not None:
+            rec["ranks"] = {str(r): sorted(names) for r, names in sorted(self.ranks.items())}
+        if self.world_size is not None:
+            rec["world_size"] = self.world_size
+        return rec
+
+    def encode(self) -> bytes:
+        return canonical_json(self.to_record())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.size for c in self.components.values())
+
+    def manifest_digest(self) -> str:
+        return digest_bytes(self.encode())
+
+    @classmethod
+    def decode(
+        cls, data: bytes, where: str, *, run_id: str | None = None, step: int | None = None, attempt: int | None = None
+    ) -> CommitRecord:
+        f = _Fields(_decode(data, kind="commit", where=where, max_bytes=MAX_COMMIT_RECORD), where, "commit")
+        s = f.int_in("step", 0, MAX_STEP)
+        a = f.int_in("attempt", 1, MAX_ATTEMPT)
+        assert s is not None and a is not None
+        if (step is not None and s != step) or (attempt is not None and a != attempt):
+            raise CorruptionError(f"{where}: record names step {s}, attempt {a}, not those of its key")
+        sid = f.text("save_id", max_len=64)
+        if parse_save_id(sid) != (s, a):
+            raise CorruptionError(f"{where}: save_id {sid!r} does not name step {s}, attempt {a}")
+        raw = f.obj("components")
+        assert raw is not None
+        if len(raw) > MAX_COMPONENTS:
+            raise f.bad("components", f"at most {MAX_COMPONENTS} entries")
+        comps: dict[str, ComponentEntry] = {}
+        for n, c in raw.items():
+            if not is_component_name(n):
+                raise CorruptionError(f"{where}: commit record names an unsafe component {n[:80]!r}")
+            size, digest = (c.get("size"), c.get("blake3")) if isinstance(c, dict) else (None, None)
+            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_SIZE:
+                raise f.bad(f"components.{n}.size", "a byte count")
+            if not isinstance(digest, str) or not _HEX64.match(digest):
+                raise f.bad(f"components.{n}.blake3", "a BLAKE3 hex digest")
+            comps[n] = ComponentEntry(n, size, digest)
+        metadata = f.obj("metadata")
+        assert metadata is not None
+        ranks: dict[int, tuple[str, ...]] | None = None
+        if "ranks" in f.rec:
+            rr = f.obj("ranks")
+            assert rr is not None
+            ranks = {}
+            for r, names in rr.items():
+                if not r.isdigit() or len(r) > 7 or not isinstance(names, list) or not all(n in comps for n in names):
+                    raise f.bad("ranks", "a map of rank numbers to names of listed components")
+                ranks[int(r)] = tuple(names)
+        world = f.int_in("world_size", 1, 1 << 20) if "world_size" in f.rec else None
+        return cls(
+            _check_run_id(f, run_id), s, a, sid, f.text("writer_id", _WRITER), f.text("identity_digest", _HEX64),
+            comps, f.time("created_at"), metadata, ranks, world,
+        )
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One entry of the run's append-only ledger."""
+
+    event: str
+    at: float
+    attempt: int | None
+    payload: dict[str, Any]
+
+    def encode(self) -> bytes:
+        return canonical_json(
+            {
+                "protocol_version": PROTOCOL_VERSION,
+                "kind": "event",
+                "event": self.event,
+                "at": self.at,
+                "attempt": self.attempt,
+                "payload": self.payload,
+            }
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "event", "event": self.event, "at": self.at, "attempt": self.attempt, "payload": self.payload}
+
+    @classmethod
+    def decode(cls, data: bytes, where: str) -> EventRecord:
+        f = _Fields(_decode(data, kind="event", where=where, max_bytes=MAX_EVENT_RECORD), where, "event")
+        kind = f.text("event", max_len=64)
+        try:
+            validate_event_kind(kind)
+        except ValueError:
+            raise f.bad("event", "an event kind") from None
+        payload = f.obj("payload")
+        assert payload is not None
+        return cls(kind, f.time("at"), f.int_in("attempt", 1, MAX_ATTEMPT, optional=True), payload)

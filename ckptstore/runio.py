@@ -1,0 +1,157 @@
+"""The run I/O floor: one backend, one retry policy, one run's keys.
+
+Everything above (fencing, catalog, writer, reader, gc) reaches storage only
+through :class:`RunIO`, which adds what every caller needs and no backend
+should repeat: retries with backoff, bounded reads of records, the
+create-if-absent with the lost-acknowledgement read-back, streamed puts hashed
+while written, and bounded, verified streaming of components.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import blake3
+
+from .backends.base import Backend, ObjectInfo
+from .errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUnavailableError, TransientError
+from .protocol import ComponentEntry
+from .retry import RetryPolicy
+from .streams import CHUNK, HashingStream, is_replayable, rewind
+
+
+class RunIO:
+    """Storage access for one run of one store."""
+
+    def __init__(self, backend: Backend, run_id: str, retry: RetryPolicy | None = None) -> None:
+        self.backend = backend
+        self.run_id = run_id
+        self.retry = retry or RetryPolicy()
+
+    def where(self, key: str) -> str:
+        """A human-readable location for messages."""
+        return f"{self.backend.url.rstrip('/')}/{key}"
+
+    # ------------------------------------------------------------ plain ops
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        return self.retry.call(lambda: self.backend.list(prefix))
+
+    def size(self, key: str) -> int:
+        return self.retry.call(lambda: self.backend.size(key))
+
+    def delete(self, key: str) -> None:
+        self.retry.call(lambda: self.backend.delete(key))
+
+    def get_bounded(self, key: str, max_bytes: int) -> bytes:
+        """The object's bytes, reading at most ``max_bytes + 1`` of them (a
+        longer object comes back one byte too long, for the caller's size
+        check to refuse)."""
+        return self.retry.call(lambda: self.backend.get_range(key, 0, max_bytes + 1))
+
+    # --------------------------------------------------------------- create
+    def create(self, key: str, data: bytes, *, what: str) -> bool:
+        """Create-if-absent with retries and the lost-acknowledgement read-back.
+
+        Returns True if *our* bytes are now at ``key`` (created by this call or
+        by an earlier try whose reply was lost), False if someone else's are.
+        Raises :class:`CommitUnknownError` when the outcome cannot be settled.
+        """
+        uncertain = False
+        policy = self.retry
+        for i in range(policy.attempts):
+            try:
+                created = self.backend.create(key, data)
+            except TransientError as exc:
+                uncertain = True
+                if i == policy.attempts - 1:
+                    raise CommitUnknownError(
+                        f"{self.where(key)}: the {what} create failed {policy.attempts} times ({exc}); "
+                        "it may or may not have landed. Treat this save as not acknowledged."
+                    ) from exc
+                policy.backoff(i)
+                continue
+            if created:
+                return True
+            # "Already exists": ours from a lost reply, or another writer's?
+            try:
+                existing = self.get_bounded(key, len(data))
+            except (NotFoundError, StoreUnavailableError) as exc:
+                if uncertain:
+                    raise CommitUnknownError(
+                        f"{self.where(key)}: the {what} exists but cannot be read back ({exc}); "
+                        "its outcome is unknown. Treat this save as not acknowledged."
+                    ) from exc
+                raise
+            return existing == data
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ put
+    def put_hashed(self, key: str, data: Any) -> tuple[int, str]:
+        """Stream ``data`` to ``key``, hashing it with BLAKE3 as it is written;
+        (size, digest) of exactly the bytes handed to the backend. A transient
+        failure is retried when the source can be replayed."""
+        replayable = is_replayable(data)
+        policy = self.retry
+        for i in range(policy.attempts):
+            stream = HashingStream(data)
+            try:
+                self.backend.put(key, stream)
+                return stream.size, stream.hexdigest()
+            except TransientError:
+                if not replayable or i == policy.attempts - 1:
+                    raise
+                rewind(data)
+                policy.backoff(i)
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- reads
+    def iter_object(self, key: str, size: int, chunk: int = CHUNK) -> Iterator[bytes]:
+        """The object in chunks, never reading more than ``size + 1`` bytes in
+        all (the extra byte, when present, tells the caller the object grew)."""
+        if size < chunk:
+            yield self.get_bounded(key, size)
+            return
+        for off in range(0, size, chunk):
+            end = min(size, off + chunk)
+            stop = size + 1 if end == size else end
+            yield self.retry.call(partial(self.backend.get_range, key, off, stop))
+
+    def hash_object(self, key: str, size: int) -> tuple[int, str]:
+        """(bytes seen, BLAKE3) of the object, reading at most ``size + 1`` bytes."""
+        h = blake3.blake3()
+        seen = 0
+        for block in self.iter_object(key, size):
+            seen += len(block)
+            h.update(block)
+        return seen, h.hexdigest()
+
+    def verified_chunks(self, key: str, comp: ComponentEntry, label: str, chunk: int = CHUNK) -> Iterator[bytes]:
+        """Stream a component, verifying its size on every chunk and its digest
+        at the end. The final chunk is yielded only after the whole component
+        verified: a consumer that reaches the end has seen only verified bytes;
+        on a mismatch :class:`CorruptionError` comes instead of the last chunk."""
+        h = blake3.blake3()
+        got = 0
+        held: bytes | None = None
+        try:
+            for block in self.iter_object(key, comp.size, chunk):
+                got += len(block)
+                if got > comp.size:
+                    break
+                h.update(block)
+                if held is not None:
+                    yield held
+                held = block
+        except NotFoundError:
+            raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
+        if got != comp.size:
+            raise CorruptionError(
+                f"{self.where(key)}: {label} has {got}{'+' if got > comp.size else ''} bytes, "
+                f"the commit record says {comp.size}"
+            )
+        if h.hexdigest() != comp.blake3:
+            raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
+        if held is not None:
+            yield held

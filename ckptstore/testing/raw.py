@@ -1,0 +1,72 @@
+"""Direct access to a backend's storage, bypassing the backend's own methods
+(the zarr ``StoreTests`` idea): tests plant objects with it and check what
+the backend really stored. One implementation per backend family."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..backends.base import Backend
+from ..backends.fsspec_base import FsspecBackend
+from ..backends.local import LocalBackend
+from ..backends.memory import MemoryBackend
+
+
+class RawAccess:
+    """``set``/``get``/``delete`` of a key straight on the storage under a backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def set(self, key: str, data: bytes) -> None:
+        b = self.backend
+        if isinstance(b, MemoryBackend):
+            with b._lock:  # noqa: SLF001 - ground truth by design
+                b._objects[key] = (bytes(data), time.time())  # noqa: SLF001
+        elif isinstance(b, LocalBackend):
+            path = os.path.join(b.root, *key.split("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        elif isinstance(b, FsspecBackend):
+            b.fs.pipe_file(f"{b.root}/{key}", bytes(data))
+            b.fs.invalidate_cache()
+        else:
+            raise TypeError(f"no raw access for {type(b).__name__}")
+
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes, or None if nothing is stored at ``key``."""
+        b = self.backend
+        try:
+            if isinstance(b, MemoryBackend):
+                with b._lock:  # noqa: SLF001
+                    return b._objects[key][0]  # noqa: SLF001
+            if isinstance(b, LocalBackend):
+                with open(os.path.join(b.root, *key.split("/")), "rb") as f:
+                    return f.read()
+            if isinstance(b, FsspecBackend):
+                b.fs.invalidate_cache()
+                return bytes(b.fs.cat_file(f"{b.root}/{key}"))
+        except (KeyError, FileNotFoundError):
+            return None
+        raise TypeError(f"no raw access for {type(b).__name__}")
+
+    def delete(self, key: str) -> None:
+        b = self.backend
+        if isinstance(b, MemoryBackend):
+            with b._lock:  # noqa: SLF001
+                b._objects.pop(key, None)  # noqa: SLF001
+        elif isinstance(b, LocalBackend):
+            try:
+                os.unlink(os.path.join(b.root, *key.split("/")))
+            except FileNotFoundError:
+                pass
+        elif isinstance(b, FsspecBackend):
+            try:
+                b.fs.rm_file(f"{b.root}/{key}")
+            except FileNotFoundError:
+                pass
+            b.fs.invalidate_cache()
+        else:
+            raise TypeError(f"no raw access for {type(b).__name__}")

@@ -64,12 +64,11 @@ def test_one_attempt_per_job_and_one_save_for_all_ranks(backend_kind: str, tmp_p
     ref = store.latest_complete(deep=True)
     assert ref is not None and ref.step == 2
     assert sorted(ref.components) == ["rank0/extra", "rank0/model", "rank1/extra", "rank1/model"]
-    ranks = getattr(ref.record, "ranks", None) or ref.metadata["ranks"]
-    assert {int(k): sorted(v) for k, v in ranks.items()} == {
+    assert ref.record.ranks is not None
+    assert {k: sorted(v) for k, v in ref.record.ranks.items()} == {
         0: ["rank0/extra", "rank0/model"], 1: ["rank1/extra", "rank1/model"]
     }
-    ws = getattr(ref.record, "world_size", None) or ref.metadata["world_size"]
-    assert ws == 2
+    assert ref.record.world_size == 2
     # a restarted job resumes from it on every rank, and each rank reads its own bytes back
     res = run_job(2, url, "saves", opts=opts, args={"steps": [3]})
     opens = ok(res, "open")

@@ -39,7 +39,6 @@ from ..errors import (
 from ..identity import RunIdentity, identity_digest, normalize_identity
 from ..retry import RetryPolicy
 from ..store import CheckpointStore, SaveRef
-from . import _seams
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after
 
@@ -114,7 +113,7 @@ class DistributedSave:
     def __init__(self, run: DistributedRun, step: int, metadata: dict[str, Any], timeout: float) -> None:
         P.validate_step(step)
         try:
-            P.encode_record(metadata)
+            P.canonical_json(metadata)
         except (TypeError, ValueError) as exc:
             raise InvalidInputError(f"save metadata must be JSON-representable: {exc}") from None
         self.run = run
@@ -126,7 +125,7 @@ class DistributedSave:
         self._tag = ch.next()
         if ch.is_coordinator:
             try:
-                sid = _seams.new_save_id(run.store, step)
+                sid = run.store.new_save_id(step)
                 msg: dict[str, Any] = {"ok": True, "save_id": sid}
             except Exception as exc:
                 ch.post(self._tag, "sid", {"ok": False, "error": error_to_json(exc)})
@@ -140,7 +139,7 @@ class DistributedSave:
             if not msg.get("ok"):
                 raise error_from_json(msg["error"])
         self.save_id: str = str(msg["save_id"])
-        self._staged = _seams.stage(run.store, step, self.save_id)
+        self._staged = run.store.stage(step, save_id=self.save_id)
 
     def put(self, name: str, data: Any) -> P.ComponentEntry:
         """Write one of this rank's components (hashed while written). Names
@@ -210,8 +209,8 @@ class DistributedSave:
                     names.append(n)
                 ranks[r] = sorted(names)
             _hook("before_publish")
-            ref = _seams.publish(
-                store, self.step, self.save_id, comps, metadata=self.metadata, ranks=ranks, world_size=ch.world_size
+            ref = store.publish(
+                self.step, self.save_id, comps, metadata=self.metadata, ranks=ranks, world_size=ch.world_size
             )
             _hook("after_publish")
             outcome: dict[str, Any] = {"ok": True, "ref": _ref_json(ref)}
@@ -340,9 +339,9 @@ def open_distributed(
         raise error_from_json(outcome["error"])
     member: CheckpointStore | None = None
     try:
-        member = _seams.join(
-            url, run_id, identity=outcome["identity"], attempt=int(outcome["attempt"]),
-            storage_options=storage_options,
+        member = CheckpointStore.open(
+            url, run_id, identity=outcome["identity"], join_attempt=int(outcome["attempt"]),
+            storage_options=storage_options, retry=retry,
         )
         if outcome["resumed_from"] is not None and member.resumed_from is None:
             member.resumed_from = _ref_from_json(member, outcome["resumed_from"])
@@ -380,7 +379,7 @@ def _coordinator_open(
     def _open(identity: dict[str, Any]) -> CheckpointStore:
         return CheckpointStore.open(
             url, run_id, identity=identity, storage_options=storage_options, resume_from=resume_from,
-            retry=retry, resume_verify=resume_verify,
+            retry=retry, resume_verify=resume_verify, single_writer=True,  # the job's one coordinator
         )
 
     resharded: dict[str, Any] | None = None
@@ -393,7 +392,7 @@ def _coordinator_open(
         store = _open({**ident, "world_size": stored_ws})
         resharded = {"from_world_size": stored_ws, "to_world_size": world_size}
     ref = store.resumed_from
-    saved_ws = _seams.commit_world_size(ref) if ref is not None else None
+    saved_ws = ref.record.world_size if ref is not None else None
     if saved_ws is not None and saved_ws != world_size:
         if not reshard:
             store.close()

@@ -65,7 +65,7 @@ from torch.futures import Future
 from .. import protocol as P
 from ..errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError
 from ..store import CheckpointStore, SaveRef
-from . import _seams
+from ..writer import StagedSave
 from .coordinator import DistributedRun
 from .dcp_metadata import ItemInfo, StorageData, decode_metadata, dtype_from_name, dtype_name, encode_metadata
 from .errors import may_delete_after
@@ -147,7 +147,7 @@ class StoreWriter(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self.ref: SaveRef | None = None
-        self._staged: _seams.Staged | None = None
+        self._staged: StagedSave | None = None
         self._save_id: str | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -181,7 +181,7 @@ class StoreWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.step is not None
-        sid = _seams.new_save_id(self.store, self.step)
+        sid = self.store.new_save_id(self.step)
         return [dataclasses.replace(p, storage_data=_SavePlanData(sid)) for p in plans]
 
     # --------------------------------------------------------------- write
@@ -189,7 +189,7 @@ class StoreWriter(StorageWriter):
         assert self.step is not None
         data: _SavePlanData = plan.storage_data
         self._save_id = data.save_id
-        staged = _seams.stage(self.store, self.step, data.save_id)
+        staged = self.store.stage(self.step, save_id=data.save_id)
         self._staged = staged
         buckets = _split(self.thread_count, plan.items)
         results: list[WriteResult] = []
@@ -209,7 +209,7 @@ class StoreWriter(StorageWriter):
         return fut
 
     def _write_component(
-        self, staged: _seams.Staged, planner: SavePlanner, k: int, items: list[WriteItem]
+        self, staged: StagedSave, planner: SavePlanner, k: int, items: list[WriteItem]
     ) -> list[WriteResult]:
         if not items:
             return []
@@ -278,8 +278,8 @@ class StoreWriter(StorageWriter):
             comps[md_entry.name] = md_entry
             ranks.setdefault(self.rank, []).append(md_entry.name)
             user_md = {**self.metadata, "format": "ckptstore.dcp/1"}
-            self.ref = _seams.publish(self.store, self.step, self._save_id, comps, metadata=user_md,
-                                      ranks=ranks, world_size=len(results))
+            self.ref = self.store.publish(self.step, self._save_id, comps, metadata=user_md,
+                                         ranks=ranks, world_size=len(results))
             metadata.storage_data = StorageData(items, _ref_json(self.ref))
         except BaseException as exc:
             if may_delete_after(exc):
@@ -415,7 +415,7 @@ class StoreReader(StorageReader):
             for group in self._coalesce(reqs):
                 start = group[0][0].offset
                 end = max(i.offset + i.length for i, _ in group)
-                blob = _seams.read_range(self.store, ref, comp, start, end)
+                blob = self.store.read_range(ref, comp, start, end)
                 if len(blob) != end - start:
                     raise CorruptionError(f"{comp}: short read [{start}, {end}) of save {ref.save_id}")
                 view = memoryview(blob)

@@ -28,16 +28,9 @@ class RemoteError(E.CkptStoreError):
 
 _CLASSES: dict[str, type[E.CkptStoreError]] = {
     c.__name__: c
-    for c in (
-        E.CkptStoreError, E.InvalidInputError, E.StoreUnavailableError, E.TransientError,
-        E.UnsupportedBackendError, E.NotFoundError, E.CommitConflictError, E.CommitUnknownError,
-        E.CorruptionError, E.SaveAbortedError, E.BudgetExhaustedError, WorldSizeMismatchError,
-        ChannelError, CoordinatorLostError,
-    )
+    for c in (*vars(E).values(), WorldSizeMismatchError, ChannelError, CoordinatorLostError)
+    if isinstance(c, type) and issubclass(c, E.CkptStoreError)
 }
-_SNP = getattr(E, "SaveNotPublishedError", None)
-if isinstance(_SNP, type) and issubclass(_SNP, E.CkptStoreError):
-    _CLASSES[_SNP.__name__] = _SNP
 
 
 def error_to_json(exc: BaseException) -> dict[str, Any]:

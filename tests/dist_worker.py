@@ -9,6 +9,7 @@ them. Faults are real: the process sends itself SIGKILL at the named point.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore import CheckpointStore
 from ckptstore.distributed import coordinator, open_distributed
 
 
@@ -105,10 +105,8 @@ def main() -> None:
     tag = ch.next()
     ch.post(tag, "done", {})
     if rank == 0:
-        try:
+        with contextlib.suppress(Exception):
             ch.gather(tag, "done", timeout=15)
-        except Exception:  # noqa: BLE001
-            pass
     dist.destroy_process_group()
 
 

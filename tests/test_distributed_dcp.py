@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptstore import CheckpointStore, CorruptionError
 from ckptstore import protocol as P
-from ckptstore.distributed.dcp import METADATA_COMPONENT, PickleRefusedError, StoreReader, StoreWriter
+from ckptstore.distributed.dcp import METADATA_COMPONENT, StoreReader, StoreWriter
 
 from .conftest import selected_kinds
 from .dist_helpers import RankResult, run_job
@@ -142,9 +142,8 @@ def test_reader_verifies_every_range(tmp_path: Path) -> None:
     raw[item["offset"] + 3] ^= 0x40  # one bit flip inside item "b", size unchanged
     path.write_bytes(bytes(raw))
     target = {"a": torch.zeros(100), "b": torch.zeros(50)}
-    with pytest.raises(BaseException) as ei:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(target, storage_reader=StoreReader(store), no_dist=True)
+    with pytest.raises(BaseException) as ei, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=StoreReader(store), no_dist=True)
     assert "item b (bytes" in str(ei.value) and "does not match its BLAKE3 digest" in str(ei.value)
     assert CorruptionError.__name__ in str(ei.value)

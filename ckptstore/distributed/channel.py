@@ -94,7 +94,7 @@ class Channel:
         """This rank's message ``what`` of exchange ``tag``."""
         try:
             self._store.set(self._key(tag, what, self.rank), encode(payload))  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - c10d raises plain RuntimeErrors
+        except Exception as exc:
             raise CoordinatorLostError(f"rank {self.rank}: cannot reach the rendezvous store ({exc})") from exc
 
     def gather(
@@ -115,7 +115,7 @@ class Channel:
                         got[r] = decode(self._store.get(key))
                 except ChannelError:
                     raise
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     raise CoordinatorLostError(f"rendezvous store unreachable ({exc})") from exc
             if len(got) == len(want):
                 return got
@@ -137,7 +137,7 @@ class Channel:
             return decode(self._store.get(key))
         except ChannelError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise CoordinatorLostError(
                 f"rank {self.rank}: no answer ({what}) from rank {src} within {t:.0f}s ({exc})"
             ) from exc

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch.distributed as dist
 
@@ -38,7 +38,8 @@ from ..errors import (
 )
 from ..identity import RunIdentity, identity_digest, normalize_identity
 from ..retry import RetryPolicy
-from ..store import CheckpointStore, SaveRef
+from ..protocol.selection import SaveRef
+from ..store import CheckpointStore
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after
 
@@ -150,7 +151,7 @@ class DistributedSave:
     def components(self) -> dict[str, P.ComponentEntry]:
         return self._staged.components
 
-    def __enter__(self) -> DistributedSave:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -173,7 +174,7 @@ class DistributedSave:
         return self._follow()
 
     def _coordinate(self) -> SaveRef:
-        run, ch, store = self.run, self.run.channel, self.run.store
+        ch, store = self.run.channel, self.run.store
         err: BaseException | None = None
         ref: SaveRef | None = None
         alive = list(range(1, ch.world_size))
@@ -324,7 +325,7 @@ def open_distributed(
             if bad:
                 raise error_from_json(next(iter(bad.values())))
             ready: dict[str, Any] = {"ok": True}
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             ready = {"ok": False, "error": error_to_json(exc)}
             ch.post(tag, "ready", ready)
             store.close()
@@ -346,7 +347,7 @@ def open_distributed(
         if outcome["resumed_from"] is not None and member.resumed_from is None:
             member.resumed_from = _ref_from_json(member, outcome["resumed_from"])
         ch.post(tag, "joined", {"ok": True})
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         ch.post(tag, "joined", {"ok": False, "error": error_to_json(CkptStoreError(f"rank {ch.rank}: {exc}"))})
         if member is not None:
             member.close()

@@ -64,7 +64,8 @@ from torch.futures import Future
 
 from .. import protocol as P
 from ..errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError
-from ..store import CheckpointStore, SaveRef
+from ..protocol.selection import SaveRef
+from ..store import CheckpointStore
 from ..writer import StagedSave
 from .coordinator import DistributedRun
 from .dcp_metadata import ItemInfo, StorageData, decode_metadata, dtype_from_name, dtype_name, encode_metadata
@@ -112,7 +113,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class StoreWriter(StorageWriter):
@@ -239,7 +240,7 @@ class StoreWriter(StorageWriter):
                 descriptors: tuple[str, ...] = ()
                 if self._has_transforms:
                     sink = io.BytesIO()
-                    stream, desc = self.transforms.transform_save_stream(item, sink)  # type: ignore[arg-type]
+                    stream, desc = self.transforms.transform_save_stream(item, sink)
                     stream.write(raw)
                     stream.close()
                     raw = sink.getvalue()
@@ -302,7 +303,7 @@ def _split(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
         n = 1
         for s in wi.tensor_data.size:
             n *= s
-        return n * torch._utils._element_size(wi.tensor_data.properties.dtype)
+        return n * wi.tensor_data.properties.dtype.itemsize
 
     buckets: list[list[WriteItem]] = [[] for _ in range(min(bins, len(items)))]
     sizes = [0] * len(buckets)
@@ -464,7 +465,7 @@ class StoreReader(StorageReader):
         n = 1
         for s in info.shape:
             n *= s
-        if n * torch._utils._element_size(dtype) != len(data):
+        if n * dtype.itemsize != len(data):
             raise CorruptionError(f"item {req.storage_index.fqn!r}: {len(data)} bytes for shape {info.shape}")
         if n == 0:
             tensor = torch.empty(info.shape, dtype=dtype)

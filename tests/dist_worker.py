@@ -83,8 +83,8 @@ def main() -> None:
     opts = spec.get("opts") or None
     try:
         run = open_distributed(
-            spec["url"], "run", identity=ident, storage_options=opts, timeout=float(args.get("timeout", 20)),
-            save_timeout=float(args.get("save_timeout", 8)), reshard=bool(args.get("reshard", False)),
+            spec["url"], "run", identity=ident, storage_options=opts, timeout=float(args.get("timeout", 60)),
+            save_timeout=float(args.get("save_timeout", 30)), reshard=bool(args.get("reshard", False)),
         )
     except Exception as exc:  # noqa: BLE001
         emit(event="open", **err_json(exc))
@@ -106,7 +106,7 @@ def main() -> None:
     ch.post(tag, "done", {})
     if rank == 0:
         with contextlib.suppress(Exception):
-            ch.gather(tag, "done", timeout=15)
+            ch.gather(tag, "done", timeout=60)
     dist.destroy_process_group()
 
 

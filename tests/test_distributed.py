@@ -98,7 +98,7 @@ def test_fault_at_each_point(kind: str, rank: int, point: str, tmp_path: Path, r
         pytest.skip(f"{kind} is not among CKPT_BACKENDS")
     url, opts = where(kind, tmp_path, request)
     res = run_job(2, url, "saves", opts=opts, args={"steps": [1, 2], "faults": {"2": {"rank": rank, "point": point}},
-                                                  "save_timeout": 5})
+                                                  "save_timeout": 15})
     assert all(s["ok"] for s in ok(res, "save1"))
     killed = point not in ("raise",)
     victim, survivor = res[rank], res[1 - rank]
@@ -130,6 +130,7 @@ def test_fault_at_each_point(kind: str, rank: int, point: str, tmp_path: Path, r
         # the coordinator died before the commit: nothing published, the survivor
         # cannot tell whether a commit landed, so it keeps its components
         assert out["type"] == "CommitUnknownError", out
+        assert "rank 0 (the coordinator)" in out["message"]
         assert latest.step == 1
         assert {"rank1/model", "rank1/extra"} <= components_of(store, 2)
     sel = store.latest_complete(explain=True)

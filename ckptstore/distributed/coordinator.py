@@ -238,7 +238,7 @@ class DistributedSave:
         except CoordinatorLostError as exc:
             # The coordinator may or may not have created the commit record: delete nothing.
             raise CommitUnknownError(
-                f"save of step {self.step} ({self.save_id}): the coordinator's outcome did not arrive ({exc}); "
+                f"save of step {self.step} ({self.save_id}): rank 0 (the coordinator) did not send the outcome ({exc}); "
                 "the commit may or may not exist. Nothing was deleted; latest_complete() tells what landed."
             ) from exc
         try:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from .authn import RecordAuth
 from .backends.base import ObjectInfo
 from .errors import CorruptionError, NotFoundError
 from .fencing import AttemptLog, AttemptView
@@ -20,6 +21,7 @@ from .protocol import (
     component_key,
     parse_commit_name,
     parse_save_id,
+    save_prefix,
     saves_prefix,
 )
 from .protocol.records import MAX_COMMIT_RECORD
@@ -50,15 +52,19 @@ class Scan:
     commits: dict[tuple[int, int], ObjectInfo]
     save_objects: dict[str, dict[str, ObjectInfo]]
     attempts: AttemptView
+    #: False: ``save_objects`` was not listed; each candidate lists its own save prefix
+    saves_listed: bool = True
 
     @classmethod
-    def take(cls, io: RunIO, attempts: AttemptView) -> Scan:
+    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
         commits: dict[tuple[int, int], ObjectInfo] = {}
         for o in io.list(commits_prefix(io.run_id)):
             sa = parse_commit_name(o.key.rsplit("/", 1)[-1])
             if sa is not None:
                 commits[sa] = o
         save_objects: dict[str, dict[str, ObjectInfo]] = {}
+        if not with_saves:
+            return cls(commits, save_objects, attempts, saves_listed=False)
         sp = saves_prefix(io.run_id)
         for o in io.list(sp):
             rest = o.key[len(sp) :]
@@ -85,10 +91,17 @@ class Catalog:
     def __init__(self, io: RunIO, attempts: AttemptLog, identity_digest: str) -> None:
         self.io = io
         self.attempts = attempts
+        self.auth: RecordAuth = attempts.auth
         self.identity_digest = identity_digest
 
-    def scan(self, attempts: AttemptView | None = None) -> Scan:
-        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load())
+    def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True) -> Scan:
+        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves)
+
+    def _objects_of(self, scan: Scan, save_id: str) -> dict[str, ObjectInfo]:
+        if scan.saves_listed:
+            return scan.save_objects.get(save_id, {})
+        prefix = save_prefix(self.io.run_id, save_id)
+        return {o.key[len(prefix) :]: o for o in self.io.list(prefix)}
 
     # -------------------------------------------------------------- records
     def load_commit(self, step: int, attempt: int) -> CommitRecord:
@@ -149,20 +162,28 @@ class Catalog:
         except CorruptionError as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, str(exc))], None)
         sid = rec.save_id
+        why = self.auth.judge(rec, self.io.run_id, self.io, commit_key(self.io.run_id, step, attempt))
+        if why is not None:
+            return Candidate(step, attempt, None, [(SkipReason.UNAUTHENTICATED, why)], sid)
         if later is not None:
             return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED, describe_superseder(later))], sid)
         if rec.identity_digest != self.identity_digest:
             detail = "commit was made under another identity"
             return Candidate(step, attempt, None, [(SkipReason.IDENTITY_MISMATCH, detail)], sid)
-        problems = self.check_components(rec, scan.save_objects.get(sid, {}), deep)
+        problems = self.check_components(rec, self._objects_of(scan, sid), deep)
         return Candidate(step, attempt, None if problems else SaveRef.of(rec), problems, sid)
 
-    def walk(self, scan: Scan, deep: bool) -> Iterator[Candidate]:
+    def walk(self, scan: Scan, deep: bool, deep_until: int | None = None) -> Iterator[Candidate]:
         """Every commit, newest first, judged; a step already committed by a
-        later attempt that verified makes older commits of it superseded."""
+        later attempt that verified makes older commits of it superseded.
+        With ``deep_until=k``, the deep check stops once ``k`` commits verified
+        (older ones get the size check)."""
         seen_steps: set[int] = set()
+        verified = 0
         for step, attempt in candidate_order(scan.commits):
-            c = self.evaluate(step, attempt, scan, deep)
+            c = self.evaluate(step, attempt, scan, deep and (deep_until is None or verified < deep_until))
+            if c.ref is not None and step not in seen_steps:
+                verified += 1
             if c.ref is not None and step in seen_steps:
                 detail = f"step {step} was committed again by a later attempt"
                 c = Candidate(step, attempt, None, [(SkipReason.SUPERSEDED, detail)], c.save_id)
@@ -171,15 +192,22 @@ class Catalog:
             yield c
 
     # ------------------------------------------------------------ selection
-    def select(self, deep: bool, attempts: AttemptView | None = None) -> Selection:
-        scan = self.scan(attempts)
+    def select(self, deep: bool, attempts: AttemptView | None = None, *, explain: bool = True) -> Selection:
+        """The newest commit that verifies. Without ``explain`` the saves are
+        not listed as a whole: each candidate tried lists only its own save's
+        prefix, so the cost follows the candidates tried, not the history
+        (and uncommitted saves are not reported)."""
+        scan = self.scan(attempts, with_saves=explain)
         skipped: list[Skip] = []
         committed_ids: set[str] = set()
         chosen: SaveRef | None = None
         notes = list(scan.attempts.notes())
-        for tried, c in enumerate(self.walk(scan, deep)):
-            if tried >= MAX_CANDIDATES:
-                notes.append(f"gave up after {MAX_CANDIDATES} candidate commits; older ones were not tried")
+        read = 0
+        for c in self.walk(scan, deep):
+            if c.problems and c.problems[0][0] is not SkipReason.UNREGISTERED_ATTEMPT:
+                read += 1  # only candidates whose record was read count against the bound
+            if read > MAX_CANDIDATES:
+                notes.append(f"gave up after reading {MAX_CANDIDATES} candidate commits; older ones were not tried")
                 break
             if c.save_id:
                 committed_ids.add(c.save_id)
@@ -201,7 +229,7 @@ class Catalog:
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
         """The commit of ``step`` (the highest attempt, unless given); not verified."""
         if attempt is None:
-            found = sorted(a for s, a in self.scan().commits if s == step)
+            found = sorted(a for s, a in self.scan(with_saves=False).commits if s == step)
             if not found:
                 raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}")
             attempt = found[-1]
@@ -211,19 +239,26 @@ class Catalog:
             raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}, attempt {attempt}") from None
 
     # -------------------------------------------------------------- listing
-    def list_saves(self, scan: Scan, deep: bool, grace_seconds: float) -> list[SaveInfo]:
-        """Every save of the run, committed or not, newest first, with its state."""
+    def list_saves(
+        self, scan: Scan, deep: bool, grace_seconds: float, deep_until: int | None = None
+    ) -> list[SaveInfo]:
+        """Every save of the run, committed or not, newest first, with its state
+        (``deep_until``: see :meth:`walk`)."""
         latest: SaveRef | None = None
         out: list[SaveInfo] = []
         committed_ids: set[str] = set()
-        for c in self.walk(scan, deep):
+        verified = 0
+        for c in self.walk(scan, deep, deep_until):
+            if c.ref is not None:
+                verified += 1
             if c.ref is not None and latest is None:
                 latest = c.ref
             if c.save_id:
                 committed_ids.add(c.save_id)
             objs = scan.save_objects.get(c.save_id or "", {})
             if c.ref is not None:
-                state, detail = SaveState.COMMITTED, "verified" if deep else "sizes verified"
+                hashed = deep and (deep_until is None or verified <= deep_until)
+                state, detail = SaveState.COMMITTED, "verified" if hashed else "sizes verified"
             elif c.problems[0][0] is SkipReason.SUPERSEDED:
                 state, detail = SaveState.SUPERSEDED, c.problems[0][1]
             elif c.problems[0][0] is SkipReason.UNSUPPORTED_VERSION:

@@ -48,10 +48,26 @@ def _parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
-def _open(args: argparse.Namespace) -> CheckpointStore:
+def _open(args: argparse.Namespace, *, default_policy: str = "off") -> CheckpointStore:
+    from .authn import load_keyring
+
+    key_file = getattr(args, "auth_key_file", None)
+    policy = getattr(args, "auth_policy", None) or ("warn" if key_file and default_policy == "off" else default_policy)
+    keyring = load_keyring(key_file=key_file) if policy != "off" else None
     return CheckpointStore.open(
-        args.url, args.run, mode="r", storage_options=_parse_options(getattr(args, "storage_option", None))
+        args.url, args.run, mode="r", storage_options=_parse_options(getattr(args, "storage_option", None)),
+        auth_policy=policy, keyring=keyring,
     )
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    store = _open(args, default_policy="warn")
+    rep = store.sign()
+    obj = {"signed": rep.signed, "already": rep.already, "refused": rep.refused}
+    lines = [f"signed {len(rep.signed)} record(s), {len(rep.already)} already authenticated"]
+    lines += [f"  not signed: {k}: {why}" for k, why in sorted(rep.refused.items())]
+    _emit(args, obj, "\n".join(lines))
+    return 0
 
 
 def _ref_json(ref: SaveRef) -> dict[str, Any]:
@@ -90,6 +106,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for i in infos
     ]
     text = _table(rows, ["", "step", "attempt", "state", "size", "parts", "save_id", "detail"]) if rows else "no saves"
+    young, stale = store.leftovers(grace_seconds=args.grace)
+    if young or stale:
+        text += (
+            f"\nleft behind by killed writers (temporary files, unfinished uploads): {len(stale)} older than the "
+            f"grace period ({args.grace:.0f}s; `gc --apply` removes them), {len(young)} younger (may still be in flight)"
+        )
     _emit(args, [i.to_json() for i in infos], text)
     return 0
 
@@ -97,8 +119,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_latest(args: argparse.Namespace) -> int:
     store = _open(args)
     sel = store.latest_complete(deep=args.deep, explain=True)
-    obj = {"latest": _ref_json(sel.latest) if sel.latest else None, "skipped": [s.to_json() for s in sel.skipped]}
-    lines = []
+    obj = {
+        "latest": _ref_json(sel.latest) if sel.latest else None,
+        "check": "deep" if args.deep else "size",
+        "skipped": [s.to_json() for s in sel.skipped],
+        "more_skipped": sel.more_skipped,
+        "notes": list(sel.notes),
+    }
+    lines = [
+        "checked: every byte re-hashed (deep)" if args.deep
+        else "checked: records and component sizes only (`--deep` re-hashes every byte, as a resume does)"
+    ]
     if sel.latest:
         lines.append(
             f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {sel.latest.save_id}, "
@@ -108,6 +139,9 @@ def cmd_latest(args: argparse.Namespace) -> int:
         lines.append("no complete save")
     for s in sel.skipped:
         lines.append(f"  skipped step {s.step} attempt {s.attempt}: {s.reason.value}: {s.detail}")
+    if sel.more_skipped:
+        lines.append(f"  ... and {sel.more_skipped} older skipped candidate(s)")
+    lines += [f"note: {n}" for n in sel.notes]
     _emit(args, obj, "\n".join(lines))
     return 0 if sel.latest else 1
 
@@ -261,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--storage-option", "-o", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)"
         )
+        sp.add_argument(
+            "--auth-policy", choices=["off", "warn", "require"], default=None,
+            help="authenticated records: off (default), warn, require (keys: --auth-key-file or CKPTSTORE_AUTH_KEYS)",
+        )
+        sp.add_argument("--auth-key-file", default=None, help='key file {"active": ID, "keys": {ID: HEX}}, mode 600')
 
     sp = sub.add_parser("ls", help="list every save of a run with its state")
     common(sp)
@@ -270,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("latest", help="the newest complete save, and why newer candidates were skipped")
     common(sp)
-    sp.add_argument("--deep", action="store_true", help="re-hash every component")
+    sp.add_argument("--deep", action="store_true", help="re-hash every byte (what a resume checks by default)")
     sp.set_defaults(fn=cmd_latest)
 
     sp = sub.add_parser("verify", help="re-hash a save (the latest by default); exit 1 on corruption")
@@ -293,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--step", type=int)
     sp.add_argument("--attempt", type=int)
     sp.set_defaults(fn=cmd_inspect)
+
+    sp = sub.add_parser("sign", help="sign a run's existing records (after re-hashing every save) with the configured key")
+    common(sp)
+    sp.set_defaults(fn=cmd_sign)
 
     sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
     sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")

@@ -1,4 +1,7 @@
-"""A fault-injecting wrapper around any backend (public: the recovery drill kills its trainers with it; the test suites inject every fault in PROTOCOL.md with it).
+"""A fault-injecting wrapper around any backend.
+
+Public: the recovery drill kills its trainer processes with it, and the test
+suites inject every fault of PROTOCOL.md with it.
 
 Faults are scheduled by operation number (every backend call counts, reads
 included) or by a predicate on (op, key). Each call is recorded in ``trace`` so
@@ -23,16 +26,14 @@ Faults:
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-
 from .backends.base import Backend, Buffer, ObjectInfo
 from .errors import StoreUnavailableError, TransientError
-
-WRITE_OPS = ("put", "create", "delete")
 
 
 class Crashed(BaseException):
@@ -271,7 +272,7 @@ class FaultyBackend(Backend):
         self.inner.delete(key)
         self._end(n, "delete", key, "ok")
 
-    def list_incomplete(self, prefix: str, older_than: float) -> list[str]:
+    def list_incomplete(self, prefix: str, older_than: float) -> builtins.list[str]:
         n, _ = self._begin("list_incomplete", prefix)
         out = self.inner.list_incomplete(prefix, older_than)
         self._end(n, "list_incomplete", prefix, f"{len(out)} entries")

@@ -17,6 +17,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .authn import RecordAuth
 from .errors import CorruptionError, NotFoundError, StoreUnavailableError, SupersededError
 from .protocol import MAX_ATTEMPT, AttemptRecord, attempt_key, attempts_prefix, now, parse_attempt_name
 from .protocol.records import MAX_ATTEMPT_RECORD
@@ -54,8 +55,9 @@ class AttemptView:
 class AttemptLog:
     """Reads, creates and caches one run's attempt records."""
 
-    def __init__(self, io: RunIO) -> None:
+    def __init__(self, io: RunIO, auth: RecordAuth | None = None) -> None:
         self.io = io
+        self.auth = auth or RecordAuth()
         self._cache: dict[int, AttemptRecord] = {}
 
     def load(self) -> AttemptView:
@@ -79,6 +81,10 @@ class AttemptLog:
             except CorruptionError as exc:
                 unreadable[n] = str(exc)
                 continue
+            why = self.auth.judge(rec, self.io.run_id, self.io, o.key)
+            if why is not None:
+                unreadable[n] = why
+                continue
             records[n] = self._cache[n] = rec
         return AttemptView(records, unreadable)
 
@@ -92,6 +98,9 @@ class AttemptLog:
                 "other processes join it"
             ) from None
         rec = AttemptRecord.decode(data, self.io.where(key), run_id=self.io.run_id, number=number)
+        why = self.auth.judge(rec, self.io.run_id, self.io, key)
+        if why is not None:
+            raise CorruptionError(f"{self.io.where(key)}: attempt {number} is {why}")
         self._cache[number] = rec
         return rec
 
@@ -118,8 +127,9 @@ class AttemptLog:
             else:
                 assert resume_from is None or isinstance(resume_from, int)
                 ref, step = None, resume_from
-            rec = AttemptRecord(
-                self.io.run_id, number, step, writer_id, now(), tuple(abandons), socket.gethostname()[:256]
+            rec = self.auth.seal(
+                AttemptRecord(self.io.run_id, number, step, writer_id, now(), tuple(abandons), socket.gethostname()[:256]),
+                self.io.run_id,
             )
             if not self.io.create(attempt_key(self.io.run_id, number), rec.encode(), what="attempt record"):
                 continue  # another process took this number; try the next one

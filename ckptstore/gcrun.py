@@ -29,6 +29,8 @@ class GcReport:
     temporaries: list[str] = field(default_factory=list)
     #: set when gc refused to delete anything, and why
     refused: str | None = None
+    #: component bytes gc read to verify what it keeps
+    bytes_read: int = 0
 
 
 def collect(
@@ -51,7 +53,11 @@ def collect(
             refused=f"attempt record {n} cannot be read ({scan.attempts.unreadable[n][:200]}); "
             "gc deletes nothing while an unreadable attempt record exists (inspect and remove it by hand)",
         )
-    infos = catalog.list_saves(scan, deep, grace_seconds)
+    # Deep-check newest first only until ``keep_last`` saves verified: what is
+    # older is deleted (or kept by keep_every) on the size check, so gc reads
+    # what it keeps, not the whole store.
+    start = io.bytes_read
+    infos = catalog.list_saves(scan, deep, grace_seconds, deep_until=keep_last)
     plan = plan_gc(infos, keep_last=keep_last, keep_every=keep_every)
     actions: list[GcAction] = []
     for info, reason in plan.delete:
@@ -67,5 +73,6 @@ def collect(
         for handle in incomplete:
             io.backend.remove_incomplete(handle)
     return GcReport(
-        dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions, incomplete
+        dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions, incomplete,
+        bytes_read=io.bytes_read - start,
     )

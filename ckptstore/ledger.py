@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .authn import RecordAuth
 from .errors import CorruptionError, InvalidInputError, NotFoundError
 from .protocol import EventRecord, canonical_json, event_name, events_prefix, now, parse_event_name
 from .protocol.records import MAX_EVENT_RECORD
@@ -27,14 +28,16 @@ class LedgerRead:
 
 
 class Ledger:
-    def __init__(self, io: RunIO) -> None:
+    def __init__(self, io: RunIO, auth: RecordAuth) -> None:
         self.io = io
+        self.auth = auth
 
     def append(self, kind: str, payload: Mapping[str, Any], attempt: int | None) -> str:
         """Create one entry; returns its key."""
         ts = now()
         rec = EventRecord(kind, ts, attempt, dict(payload))
         try:
+            rec = self.auth.seal(rec, self.io.run_id)
             data = rec.encode()
             canonical_json(dict(payload))
         except (TypeError, ValueError) as exc:
@@ -53,7 +56,12 @@ class Ledger:
                 skipped += 1
                 continue
             try:
-                out.append(EventRecord.decode(self.io.get_bounded(o.key, MAX_EVENT_RECORD), self.io.where(o.key)))
+                ev = EventRecord.decode(self.io.get_bounded(o.key, MAX_EVENT_RECORD), self.io.where(o.key))
             except (NotFoundError, CorruptionError):
                 skipped += 1
+                continue
+            if self.auth.judge(ev, self.io.run_id, self.io, o.key) is not None:
+                skipped += 1
+                continue
+            out.append(ev)
         return LedgerRead(out, skipped)

@@ -29,6 +29,8 @@ class RunIO:
         self.backend = backend
         self.run_id = run_id
         self.retry = retry or RetryPolicy()
+        #: component bytes read so far (reads of records not counted)
+        self.bytes_read = 0
 
     def where(self, key: str) -> str:
         """A human-readable location for messages."""
@@ -111,12 +113,16 @@ class RunIO:
         """The object in chunks, never reading more than ``size + 1`` bytes in
         all (the extra byte, when present, tells the caller the object grew)."""
         if size < chunk:
-            yield self.get_bounded(key, size)
+            data = self.get_bounded(key, size)
+            self.bytes_read += len(data)
+            yield data
             return
         for off in range(0, size, chunk):
             end = min(size, off + chunk)
             stop = size + 1 if end == size else end
-            yield self.retry.call(partial(self.backend.get_range, key, off, stop))
+            data = self.retry.call(partial(self.backend.get_range, key, off, stop))
+            self.bytes_read += len(data)
+            yield data
 
     def hash_object(self, key: str, size: int) -> tuple[int, str]:
         """(bytes seen, BLAKE3) of the object, reading at most ``size + 1`` bytes."""

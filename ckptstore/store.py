@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal, overload
 
+from .authn import RecordAuth
 from .backends.base import Backend
 from .catalog import Catalog
 from .errors import InvalidInputError, UnsupportedBackendError
@@ -34,17 +35,25 @@ from .protocol import (
     ComponentEntry,
     canonical_json,
     new_save_id,
+    run_prefix,
     validate_component_name,
     validate_run_id,
     validate_step,
 )
+from .protocol.auth import AuthPolicy, Keyring
 from .protocol.selection import SaveInfo, SaveRef, Selection
 from .reader import Reader, VerifyReport
 from .retry import RetryPolicy
 from .runbind import bind_identity, read_identity, read_run_record
 from .runio import RunIO
+from .signrun import SignReport, sign_run
 from .streams import CHUNK
-from .writer import StagedSave, WriterContext, check_save_id, publish
+from .writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
+
+__all__ = [
+    "DEFAULT_GRACE_SECONDS", "CheckpointStore", "GcReport", "SaveInfo", "SaveRef", "SaveWriter", "Selection",
+    "StagedSave", "VerifyReport",
+]
 
 DEFAULT_GRACE_SECONDS = 3600.0
 ResumeFrom = int | None | Literal["latest"]
@@ -89,8 +98,11 @@ class CheckpointStore:
         resume_verify: Literal["deep", "cheap"] = "deep",
         join_attempt: int | None = None,
         single_writer: bool = False,
+        auth_policy: AuthPolicy | str = "off",
+        keyring: Keyring | None = None,
     ) -> None:
         self.backend = backend
+        self._auth = RecordAuth(auth_policy, keyring)
         if resume_verify not in ("deep", "cheap"):
             raise InvalidInputError("resume_verify must be 'deep' or 'cheap'")
         self._resume_deep = resume_verify == "deep"
@@ -103,8 +115,8 @@ class CheckpointStore:
         if isinstance(resume_from, int):
             validate_step(resume_from)
         self._io = RunIO(backend, self.run_id, retry)
-        self._attempts = AttemptLog(self._io)
-        self._ledger = Ledger(self._io)
+        self._attempts = AttemptLog(self._io, self._auth)
+        self._ledger = Ledger(self._io, self._auth)
         self.writer_id = uuid.uuid4().hex
         self.attempt: AttemptRecord | None = None
         #: The save this attempt resumed from (``mode="w"`` with resume_from="latest").
@@ -113,9 +125,9 @@ class CheckpointStore:
         if self.mode == "w":
             self._check_can_write(requested, join_attempt, single_writer)
             assert requested is not None
-            self.identity = bind_identity(self._io, requested, lineage)
+            self.identity = bind_identity(self._io, requested, lineage, self._auth)
         else:
-            self.identity = read_identity(self._io, requested)
+            self.identity = read_identity(self._io, requested, self._auth)
         self.identity_digest = identity_digest(self.identity)
         self._catalog = Catalog(self._io, self._attempts, self.identity_digest)
         self._reader = Reader(self._catalog)
@@ -124,7 +136,8 @@ class CheckpointStore:
                 self.attempt = self._attempts.read(join_attempt)
             else:
                 self.attempt, self.resumed_from = self._attempts.register(
-                    self.writer_id, resume_from, lambda view: self._catalog.select(self._resume_deep, view).latest
+                    self.writer_id, resume_from,
+                    lambda view: self._catalog.select(self._resume_deep, view, explain=False).latest,
                 )
 
     def _check_can_write(self, requested: dict[str, Any] | None, join_attempt: int | None, single: bool) -> None:
@@ -160,6 +173,8 @@ class CheckpointStore:
         resume_verify: Literal["deep", "cheap"] = "deep",
         join_attempt: int | None = None,
         single_writer: bool = False,
+        auth_policy: AuthPolicy | str = "off",
+        keyring: Keyring | None = None,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -185,6 +200,14 @@ class CheckpointStore:
         writing without ``join_attempt`` is refused unless ``single_writer=True``.
 
         Reading (``mode="r"``): the run must exist; nothing is written.
+
+        Authenticated records (``auth_policy``, default ``"off"``): with a
+        ``keyring`` (or ``CKPTSTORE_AUTH_KEYS`` in the environment) every
+        record this store writes carries a keyed-BLAKE3 tag. ``"warn"`` uses
+        unauthenticated records with an :class:`UnauthenticatedWarning`;
+        ``"require"`` refuses them: selection skips such commits, such attempt
+        records fence nothing and stop gc, and an unauthenticated run is not
+        opened. See ``protocol_spec/THREATS.md``.
         """
         from .registry import backend_from_url
 
@@ -192,11 +215,12 @@ class CheckpointStore:
         return cls(
             backend, run_id, identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
             resume_verify=resume_verify, join_attempt=join_attempt, single_writer=single_writer,
+            auth_policy=auth_policy, keyring=keyring,
         )
 
     @property
     def run_record(self) -> dict[str, Any]:
-        rec = read_run_record(self._io)
+        rec = read_run_record(self._io, self._auth)
         return {
             "run_id": rec.run_id, "identity": rec.identity, "identity_digest": rec.identity_digest,
             "created_at": rec.created_at, "lineage": rec.lineage,
@@ -210,7 +234,7 @@ class CheckpointStore:
     def _writer(self) -> WriterContext:
         if self.mode != "w" or self.attempt is None:
             raise InvalidInputError("this store was opened read-only; open it with identity=... to save")
-        return WriterContext(self._io, self._attempts, self.attempt, self.writer_id, self.identity_digest)
+        return WriterContext(self._io, self._attempts, self.attempt, self.writer_id, self.identity_digest, self._auth)
 
     def new_save_id(self, step: int) -> str:
         """A fresh save ID for ``step`` of this store's attempt (a coordinator
@@ -268,7 +292,12 @@ class CheckpointStore:
         md = _check_metadata(metadata)
         for n in expect or []:
             validate_component_name(n)
-        return SaveWriter(self, self.stage(step, save_id=save_id), md, list(expect or []))
+        staged = self.stage(step, save_id=save_id)
+
+        def publish_staged(components: Mapping[str, ComponentEntry]) -> SaveRef:
+            return self.publish(step, staged.save_id, components, metadata=md, expect=list(expect or []))
+
+        return SaveWriter(staged, publish_staged)
 
     # -------------------------------------------------------------- selection
     @overload
@@ -285,7 +314,7 @@ class CheckpointStore:
         the answer is a :class:`Selection` that also lists every newer candidate
         that was skipped and why.
         """
-        sel = self._catalog.select(deep)
+        sel = self._catalog.select(deep, explain=explain)
         return sel if explain else sel.latest
 
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
@@ -366,6 +395,30 @@ class CheckpointStore:
             dry_run=dry_run, deep=deep,
         )
 
+    def fall_back(self, to: SaveRef | None, reason: str) -> None:
+        """Give up this attempt's resume point before anything was saved from
+        it (e.g. the restore found it corrupt): register a new attempt that
+        resumes from ``to`` (None: from scratch), which takes the abandoned
+        point out of the run's history, and record why in the ledger. This
+        store then writes as the new attempt."""
+        writer = self._writer()
+        old = writer.attempt.number
+        self.attempt, _ = self._attempts.register(self.writer_id, to.step if to is not None else None, lambda v: None)
+        self.resumed_from = to
+        self.record_event(
+            "resume-fallback",
+            {"from_attempt": old, "to_step": to.step if to is not None else None,
+             "to_save": to.save_id if to is not None else None, "reason": reason[:2000]},
+        )
+
+    def leftovers(self, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> tuple[list[str], list[str]]:
+        """What killed writers left behind (temporary files, unfinished
+        uploads): (younger than the grace period, older). gc removes the older."""
+        prefix = run_prefix(self.run_id)
+        everything = self.backend.list_incomplete(prefix, time.time() + 1e9)
+        stale = set(self.backend.list_incomplete(prefix, time.time() - grace_seconds))
+        return [h for h in everything if h not in stale], sorted(stale)
+
     def lineage_of(self, ref: SaveRef) -> dict[str, Any]:
         """The lineage record for starting a *new* run from this save's weights
         (``CheckpointStore.open(url, new_run_id, identity=..., lineage=store.lineage_of(ref))``).
@@ -377,6 +430,14 @@ class CheckpointStore:
             "step": ref.step,
             "manifest_digest": ref.manifest_digest,
         }
+
+    def sign(self) -> SignReport:
+        """Sign this run's existing records with the configured key (sidecar
+        tags): the run record, attempt records, events, and every commit whose
+        save re-hashes intact. Needs ``auth_policy`` other than ``"off"``."""
+        if self._auth.policy is AuthPolicy.OFF:
+            raise InvalidInputError("signing needs auth_policy='warn' or 'require' and a key")
+        return sign_run(self._catalog)
 
     # --------------------------------------------------------------- events
     def record_event(self, kind: str, payload: Mapping[str, Any]) -> str:
@@ -411,49 +472,3 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"save metadata must be JSON-representable: {exc}") from None
     return md
-
-
-class SaveWriter:
-    """One save in progress, published when its ``with`` block exits cleanly.
-    Created by :meth:`CheckpointStore.save`: a :class:`StagedSave` plus
-    :meth:`CheckpointStore.publish`."""
-
-    def __init__(self, store: CheckpointStore, staged: StagedSave, metadata: dict[str, Any], expect: list[str]) -> None:
-        self.store = store
-        self.staged = staged
-        self.step = staged.step
-        self.save_id = staged.save_id
-        self.metadata = metadata
-        self.expect = expect
-        #: The published save, set when the ``with`` block exits cleanly.
-        self.ref: SaveRef | None = None
-
-    def __enter__(self) -> SaveWriter:
-        return self
-
-    def put(self, name: str, data: Any) -> ComponentEntry:
-        """Write one component, hashing it with BLAKE3 while it is written (see :meth:`StagedSave.put`)."""
-        return self.staged.put(name, data)
-
-    @property
-    def components(self) -> dict[str, ComponentEntry]:
-        return self.staged.components
-
-    def commit(self) -> SaveRef:
-        """Verify the inventory and publish. Called by a clean ``with`` exit."""
-        if self.staged.closed:
-            raise InvalidInputError("this save is already closed")
-        self.staged.closed = True
-        self.ref = self.store.publish(
-            self.step, self.save_id, self.staged.components, metadata=self.metadata, expect=self.expect
-        )
-        return self.ref
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is not None:
-            if not self.staged.closed:
-                self.staged.abort()
-            return
-        self.commit()

@@ -87,7 +87,6 @@ def iter_chunks(data: Any, chunk: int = CHUNK) -> Iterator[memoryview]:
             if not block:
                 return
             yield memoryview(block)
-        return
     for i, item in enumerate(data):
         b = as_buffer(item)
         if b is None:

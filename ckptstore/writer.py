@@ -11,11 +11,12 @@ the coordinator; the coordinator gathers the inventories and calls
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from .authn import RecordAuth
 from .errors import (
     CommitConflictError,
     CommitUnknownError,
@@ -51,6 +52,7 @@ class WriterContext:
     attempt: AttemptRecord
     writer_id: str
     identity_digest: str
+    auth: RecordAuth
 
 
 def check_save_id(ctx: WriterContext, step: int, save_id: str) -> str:
@@ -202,7 +204,7 @@ def publish(
     except BaseException:
         remove_components(ctx.io, save_id, comps)  # nothing was published: remove what was written
         raise
-    record = CommitRecord(
+    record = ctx.auth.seal(CommitRecord(
         run_id=ctx.io.run_id,
         step=step,
         attempt=ctx.attempt.number,
@@ -214,7 +216,7 @@ def publish(
         metadata=dict(metadata or {}),
         ranks=rank_map,
         world_size=world_size,
-    )
+    ), ctx.io.run_id)
     if not ctx.io.create(commit_key(ctx.io.run_id, step, ctx.attempt.number), record.encode(), what="commit record"):
         remove_components(ctx.io, save_id, comps)
         raise CommitConflictError(
@@ -233,3 +235,44 @@ def publish(
             "it is selectable"
         ) from exc
     return SaveRef.of(record)
+
+
+class SaveWriter:
+    """One save in progress, published when its ``with`` block exits cleanly.
+    Created by ``CheckpointStore.save``: a :class:`StagedSave` plus a publish."""
+
+    def __init__(self, staged: StagedSave, publish_staged: Callable[[Mapping[str, ComponentEntry]], SaveRef]) -> None:
+        self.staged = staged
+        self.step = staged.step
+        self.save_id = staged.save_id
+        self._publish = publish_staged
+        #: The published save, set when the ``with`` block exits cleanly.
+        self.ref: SaveRef | None = None
+
+    def __enter__(self) -> SaveWriter:
+        return self
+
+    def put(self, name: str, data: Any) -> ComponentEntry:
+        """Write one component, hashing it with BLAKE3 while it is written (see :meth:`StagedSave.put`)."""
+        return self.staged.put(name, data)
+
+    @property
+    def components(self) -> dict[str, ComponentEntry]:
+        return self.staged.components
+
+    def commit(self) -> SaveRef:
+        """Verify the inventory and publish. Called by a clean ``with`` exit."""
+        if self.staged.closed:
+            raise InvalidInputError("this save is already closed")
+        self.staged.closed = True
+        self.ref = self._publish(self.staged.components)
+        return self.ref
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            if not self.staged.closed:
+                self.staged.abort()
+            return
+        self.commit()

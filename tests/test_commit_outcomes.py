@@ -13,8 +13,8 @@ from ckptstore import (
 )
 from ckptstore.backends.base import Capabilities
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.retry import RetryPolicy
 from ckptstore.faults import FaultyBackend, transient
+from ckptstore.retry import RetryPolicy
 
 from .test_protocol import IDENT, save
 

@@ -197,3 +197,29 @@ def test_gc_removes_stray_temporaries_after_the_grace_period(tmp_path) -> None: 
     st.gc(keep_last=1, grace_seconds=3600)
     assert not stray.exists()
     assert CheckpointStore.open(str(root), "run", mode="r").latest_complete(deep=True).step == 1
+
+
+def test_ls_shows_leftovers_and_latest_names_its_check(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import time as _t
+
+    from ckptstore.cli import main as cli_main
+
+    root = tmp_path / "s"
+    st = CheckpointStore.open(str(root), "run", identity=IDENT)
+    do_save(st, 1, [100])
+    save_dir = next((root / "run" / "saves").iterdir())
+    young = save_dir / ".a.ckpt-tmp-111111"
+    old = save_dir / ".b.ckpt-tmp-222222"
+    young.write_bytes(b"x")
+    old.write_bytes(b"y")
+    past = _t.time() - 7200
+    os.utime(old, (past, past))
+    assert cli_main(["ls", str(root), "run"]) == 0
+    out = capsys.readouterr().out
+    assert "1 older than the grace period" in out and "1 younger" in out
+    assert cli_main(["latest", str(root), "run"]) == 0
+    assert "--deep" in capsys.readouterr().out
+    assert cli_main(["latest", str(root), "run", "--deep"]) == 0
+    assert "every byte re-hashed" in capsys.readouterr().out
+    assert cli_main(["gc", str(root), "run", "--apply"]) == 0
+    assert young.exists() and not old.exists()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from ckptstore import CheckpointStore
 from ckptstore import protocol as P
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.runs.decision import Action, decide, plan_resume
 from ckptstore.protocol.selection import Skip, SkipReason
+from ckptstore.runs.decision import Action, decide, plan_resume
 
 RUN = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
 

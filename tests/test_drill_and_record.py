@@ -8,6 +8,7 @@ import pytest
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.memory import MemoryBackend
+from ckptstore.errors import InvalidInputError
 from ckptstore.protocol import AttemptRecord
 from ckptstore.runs.budget import Budget, account, compare_costs, young_daly_interval
 from ckptstore.runs.decision import Action, plan_resume
@@ -23,7 +24,6 @@ def ev(at: float, attempt: int, kind: str, **payload):  # type: ignore[no-untype
 def test_seed_300_step_run_recovers_at_240_and_counts_60_recomputed_steps() -> None:
     b = MemoryBackend()
     st = CheckpointStore.open(b, "receipts", identity=IDENT)
-    t = 0.0
     for step in range(0, 301):
         st.record_event("progress", {"step": step}) if step % 20 == 0 or step == 300 else None
         if step == 240:
@@ -71,7 +71,7 @@ def test_admission_and_young_daly() -> None:
     b = Budget(limit_gpu_hours=23, gpu_hours_per_step=0.1)
     assert b.admit(200)[0] and not b.admit(240)[0]
     assert young_daly_interval(2.0, 100.0) == pytest.approx(20.0)
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidInputError):
         Budget(limit_gpu_hours=0)
 
 

@@ -33,8 +33,8 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.retry import RetryPolicy
 from ckptstore.faults import Crashed, FaultyBackend
+from ckptstore.retry import RetryPolicy
 
 IDENT = {"data_digest": "d", "code_digest": "c"}
 FAST = RetryPolicy(attempts=3, base_delay=0.0, max_delay=0.0)

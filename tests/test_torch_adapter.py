@@ -15,8 +15,8 @@ from ckptstore import protocol as P
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.faults import FaultyBackend
 from ckptstore.torch import (
-    CheckpointMismatchError,
     Checkpointer,
+    CheckpointMismatchError,
     ResumableSampler,
     flatten,
     read_state,

@@ -27,6 +27,7 @@ Contract (each backend's conformance tests check it):
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -100,7 +101,7 @@ class Backend(abc.ABC):
             return False
         return True
 
-    def list_incomplete(self, prefix: str, older_than: float) -> list[str]:
+    def list_incomplete(self, prefix: str, older_than: float) -> builtins.list[str]:
         """What killed writers left behind under ``prefix``, last touched before
         ``older_than`` (epoch seconds), that is not an object: temporary files
         on a disk, unfinished multipart uploads on S3. Handles are opaque

@@ -19,6 +19,7 @@ filesystem that simulates power loss.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import uuid
@@ -159,7 +160,7 @@ class LocalBackend(Backend):
 
     # -- interface -------------------------------------------------------
     def get(self, key: str) -> bytes:
-        return self.get_range(key, 0, None)  # type: ignore[arg-type]
+        return self.get_range(key, 0, None)
 
     def get_range(self, key: str, start: int, end: int | None) -> bytes:
         try:
@@ -244,10 +245,10 @@ class LocalBackend(Backend):
         except OSError:
             pass
 
-    def list_incomplete(self, prefix: str, older_than: float) -> list[str]:
+    def list_incomplete(self, prefix: str, older_than: float) -> builtins.list[str]:
         base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = self._path(base_key) if base_key else self.root
-        out = []
+        out: builtins.list[str] = []
         if not self.ops.is_dir(top):
             return out
         for dirpath, _dirs, files in self.ops.walk(top):

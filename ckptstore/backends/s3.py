@@ -15,10 +15,40 @@ are listed by :meth:`S3Backend.list_incomplete` and aborted by gc.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidInputError, UnsupportedBackendError
-from .fsspec_base import FsspecBackend, error_code, finish_backend, mtime_of, prepare_options, status_of
+from .base import Buffer
+from .fsspec_base import PART_SIZE, FsspecBackend, error_code, finish_backend, mtime_of, prepare_options, status_of
+
+#: Parts uploaded at once by one component upload. The caller's thread keeps
+#: reading (and hashing) the source while these are on the wire; memory held
+#: is at most (PARTS_IN_FLIGHT + 1) parts.
+PARTS_IN_FLIGHT = 4
+
+
+def _parts(chunks: Iterable[Buffer], size: int) -> Iterator[Buffer]:
+    """Regroup a chunk stream into parts of exactly ``size`` bytes (the last
+    may be shorter); a chunk that is already a whole part is passed through
+    without a copy."""
+    buf = bytearray()
+    for c in chunks:
+        mv = memoryview(c).cast("B")
+        if not buf and len(mv) == size:
+            yield mv
+            continue
+        while len(mv):
+            take = min(size - len(buf), len(mv))
+            buf += mv[:take]
+            mv = mv[take:]
+            if len(buf) == size:
+                yield buf  # handed over whole; a new buffer is started
+                buf = bytearray()
+    if buf:
+        yield buf
 
 
 class S3Backend(FsspecBackend):
@@ -28,11 +58,60 @@ class S3Backend(FsspecBackend):
     def _call(self, method: str, **kwargs: Any) -> Any:
         from fsspec.asyn import sync
 
-        async def go() -> Any:
-            client = await self.fs.get_s3(self.bucket)
-            return await getattr(client, method)(**kwargs)
+        return sync(self.fs.loop, lambda: self._acall(method, **kwargs))
 
-        return sync(self.fs.loop, go)
+    async def _acall(self, method: str, **kwargs: Any) -> Any:
+        client = await self.fs.get_s3(self.bucket)
+        return await getattr(client, method)(**kwargs)
+
+    def _submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+
+    def put(self, key: str, chunks: Iterable[Buffer]) -> None:
+        """Upload a component: one PUT when it fits in a part, else a multipart
+        upload with up to :data:`PARTS_IN_FLIGHT` parts in flight while the
+        caller's thread reads and hashes the next. If the source or any part
+        fails, the upload is aborted and nothing lands."""
+        path = self._path(key)
+        bucket, _, k = path.partition("/")
+        parts = _parts(chunks, PART_SIZE)
+        upload_id: str | None = None
+        pending: list[tuple[int, concurrent.futures.Future[Any]]] = []
+        done: list[dict[str, Any]] = []
+        try:
+            first = next(parts, b"")
+            second = next(parts, None)
+            if second is None:
+                self._call("put_object", Bucket=bucket, Key=k, Body=bytes(first))
+                return
+            upload_id = self._call("create_multipart_upload", Bucket=bucket, Key=k)["UploadId"]
+            number = 0
+            for part in _chain(first, second, parts):
+                number += 1
+                coro = self._acall("upload_part", Bucket=bucket, Key=k, UploadId=upload_id, PartNumber=number, Body=part)
+                pending.append((number, self._submit(coro)))
+                while len(pending) >= PARTS_IN_FLIGHT:
+                    n, fut = pending.pop(0)
+                    done.append({"PartNumber": n, "ETag": fut.result()["ETag"]})
+            for n, fut in pending:
+                done.append({"PartNumber": n, "ETag": fut.result()["ETag"]})
+            pending.clear()
+            self._call(
+                "complete_multipart_upload", Bucket=bucket, Key=k, UploadId=upload_id, MultipartUpload={"Parts": done}
+            )
+        except BaseException as exc:
+            for _, fut in pending:
+                fut.cancel()
+            if upload_id is not None:
+                try:
+                    self._call("abort_multipart_upload", Bucket=bucket, Key=k, UploadId=upload_id)
+                except Exception:  # noqa: BLE001 - gc aborts what is left (list_incomplete)
+                    pass
+            if isinstance(exc, Exception) and not isinstance(exc, (InvalidInputError,)) and _from_client(exc):
+                self._raise(exc, "upload", key)
+            raise
+        finally:
+            self._invalidate(path.rsplit("/", 1)[0])
 
     def _create(self, path: str, data: bytes) -> bool:
         bucket, _, key = path.partition("/")
@@ -78,6 +157,20 @@ class S3Backend(FsspecBackend):
             if status_of(exc) == 404:
                 return
             self._raise(exc, "abort multipart upload", key)
+
+
+def _chain(first: Buffer, second: Buffer, rest: Iterator[Buffer]) -> Iterator[Buffer]:
+    yield first
+    yield second
+    yield from rest
+
+
+def _from_client(exc: BaseException) -> bool:
+    """An error raised by the S3 client (to be classified), not by the caller's data source."""
+    mod = type(exc).__module__
+    return mod.startswith(("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec")) or isinstance(
+        exc, (OSError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
+    )
 
 
 def backend_from_url(url: str, storage_options: dict[str, Any]) -> S3Backend:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import blake3
 
 from ..errors import CorruptionError
+from .auth import AuthTag
 from .canonical import canonical_json, decode_json
 from .layout import MAX_ATTEMPT, MAX_STEP, is_component_name, parse_save_id, validate_event_kind
 
@@ -59,6 +60,43 @@ def now() -> float:
 
 def digest_bytes(data: bytes | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
+
+
+def _auth_of(rec: Mapping[str, Any], where: str) -> tuple[AuthTag | None, str]:
+    """(the record's tag, the digest of its canonical bytes without the tag)."""
+    tag = None
+    if "auth" in rec:
+        tag = AuthTag.parse(rec["auth"])
+        if tag is None:
+            raise CorruptionError(f"{where}: malformed auth field")
+    body = {k: v for k, v in rec.items() if k != "auth"}
+    return tag, digest_bytes(canonical_json(body))
+
+
+def _with_auth(rec: dict[str, Any], auth: AuthTag | None) -> dict[str, Any]:
+    if auth is not None:
+        rec["auth"] = auth.to_json()
+    return rec
+
+
+class Signable:
+    """The authentication fields every record carries (PROTOCOL.md §2.5)."""
+
+    kind = ""
+    auth: AuthTag | None
+    body_digest: str
+
+    def to_record(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def unsigned_digest(self) -> str:
+        """BLAKE3 of the record's canonical bytes without its tag: what a tag covers."""
+        rec = self.to_record()
+        rec.pop("auth", None)
+        return digest_bytes(canonical_json(rec))
+
+    def encode(self) -> bytes:
+        return canonical_json(self.to_record())
 
 
 def _decode(data: bytes, *, kind: str, where: str, max_bytes: int) -> dict[str, Any]:
@@ -130,7 +168,7 @@ def _check_run_id(f: _Fields, run_id: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class RunRecord:
+class RunRecord(Signable):
     """``RUN.json``: the identity a run is bound to, created exclusively once."""
 
     run_id: str
@@ -138,9 +176,12 @@ class RunRecord:
     identity_digest: str
     created_at: float
     lineage: dict[str, Any] | None = None
+    auth: AuthTag | None = field(default=None, compare=False)
+    body_digest: str = field(default="", compare=False)
+    kind = "run"
 
-    def encode(self) -> bytes:
-        return canonical_json(
+    def to_record(self) -> dict[str, Any]:
+        return _with_auth(
             {
                 "protocol_version": PROTOCOL_VERSION,
                 "kind": "run",
@@ -149,22 +190,24 @@ class RunRecord:
                 "identity_digest": self.identity_digest,
                 "created_at": self.created_at,
                 "lineage": self.lineage,
-            }
+            },
+            self.auth,
         )
 
     @classmethod
     def decode(cls, data: bytes, where: str, *, run_id: str | None = None) -> RunRecord:
-        f = _Fields(_decode(data, kind="run", where=where, max_bytes=MAX_RUN_RECORD), where, "run")
+        raw = _decode(data, kind="run", where=where, max_bytes=MAX_RUN_RECORD)
+        f = _Fields(raw, where, "run")
         identity = f.obj("identity")
         assert identity is not None
         return cls(
             _check_run_id(f, run_id), identity, f.text("identity_digest", _HEX64), f.time("created_at"),
-            f.obj("lineage", optional=True),
+            f.obj("lineage", optional=True), *_auth_of(raw, where),
         )
 
 
 @dataclass(frozen=True)
-class AttemptRecord:
+class AttemptRecord(Signable):
     """One start of a job that opened the run for writing.
 
     ``number`` is a fencing token: it was created with create-if-absent, so no
@@ -180,25 +223,27 @@ class AttemptRecord:
     created_at: float
     abandons: tuple[int, ...] = ()
     host: str = ""
+    auth: AuthTag | None = field(default=None, compare=False)
+    body_digest: str = field(default="", compare=False)
+    kind = "attempt"
 
-    def encode(self) -> bytes:
-        return canonical_json(
-            {
-                "protocol_version": PROTOCOL_VERSION,
-                "kind": "attempt",
-                "run_id": self.run_id,
-                "attempt": self.number,
-                "resumed_from": self.resumed_from,
-                "writer_id": self.writer_id,
-                "created_at": self.created_at,
-                "abandons": list(self.abandons),
-                "host": self.host,
-            }
-        )
+    def to_record(self) -> dict[str, Any]:
+        return _with_auth({
+            "protocol_version": PROTOCOL_VERSION,
+            "kind": "attempt",
+            "run_id": self.run_id,
+            "attempt": self.number,
+            "resumed_from": self.resumed_from,
+            "writer_id": self.writer_id,
+            "created_at": self.created_at,
+            "abandons": list(self.abandons),
+            "host": self.host,
+        }, self.auth)
 
     @classmethod
     def decode(cls, data: bytes, where: str, *, run_id: str | None = None, number: int | None = None) -> AttemptRecord:
-        f = _Fields(_decode(data, kind="attempt", where=where, max_bytes=MAX_ATTEMPT_RECORD), where, "attempt")
+        raw = _decode(data, kind="attempt", where=where, max_bytes=MAX_ATTEMPT_RECORD)
+        f = _Fields(raw, where, "attempt")
         n = f.int_in("attempt", 1, MAX_ATTEMPT)
         assert n is not None
         if number is not None and n != number:
@@ -210,7 +255,7 @@ class AttemptRecord:
             raise f.bad("abandons", f"a list of earlier attempt numbers (at most {MAX_ABANDONS})")
         return cls(
             _check_run_id(f, run_id), n, f.int_in("resumed_from", 0, MAX_STEP, optional=True),
-            f.text("writer_id", _WRITER), f.time("created_at"), tuple(abandons), f.text("host"),
+            f.text("writer_id", _WRITER), f.time("created_at"), tuple(abandons), f.text("host"), *_auth_of(raw, where),
         )
 
 
@@ -227,7 +272,7 @@ class ComponentEntry:
 
 
 @dataclass(frozen=True)
-class CommitRecord:
+class CommitRecord(Signable):
     """The commit record: the manifest of one save, created exclusively.
 
     Its existence is what publishes the save. ``writer_id`` is unique per
@@ -247,6 +292,9 @@ class CommitRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
     ranks: dict[int, tuple[str, ...]] | None = None
     world_size: int | None = None
+    auth: AuthTag | None = field(default=None, compare=False)
+    body_digest: str = field(default="", compare=False)
+    kind = "commit"
 
     def to_record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {
@@ -266,10 +314,7 @@ class CommitRecord:
             rec["ranks"] = {str(r): sorted(names) for r, names in sorted(self.ranks.items())}
         if self.world_size is not None:
             rec["world_size"] = self.world_size
-        return rec
-
-    def encode(self) -> bytes:
-        return canonical_json(self.to_record())
+        return _with_auth(rec, self.auth)
 
     @property
     def total_bytes(self) -> int:
@@ -282,7 +327,8 @@ class CommitRecord:
     def decode(
         cls, data: bytes, where: str, *, run_id: str | None = None, step: int | None = None, attempt: int | None = None
     ) -> CommitRecord:
-        f = _Fields(_decode(data, kind="commit", where=where, max_bytes=MAX_COMMIT_RECORD), where, "commit")
+        raw = _decode(data, kind="commit", where=where, max_bytes=MAX_COMMIT_RECORD)
+        f = _Fields(raw, where, "commit")
         s = f.int_in("step", 0, MAX_STEP)
         a = f.int_in("attempt", 1, MAX_ATTEMPT)
         assert s is not None and a is not None
@@ -291,12 +337,12 @@ class CommitRecord:
         sid = f.text("save_id", max_len=64)
         if parse_save_id(sid) != (s, a):
             raise CorruptionError(f"{where}: save_id {sid!r} does not name step {s}, attempt {a}")
-        raw = f.obj("components")
-        assert raw is not None
-        if len(raw) > MAX_COMPONENTS:
+        listed = f.obj("components")
+        assert listed is not None
+        if len(listed) > MAX_COMPONENTS:
             raise f.bad("components", f"at most {MAX_COMPONENTS} entries")
         comps: dict[str, ComponentEntry] = {}
-        for n, c in raw.items():
+        for n, c in listed.items():
             if not is_component_name(n):
                 raise CorruptionError(f"{where}: commit record names an unsafe component {n[:80]!r}")
             size, digest = (c.get("size"), c.get("blake3")) if isinstance(c, dict) else (None, None)
@@ -319,21 +365,24 @@ class CommitRecord:
         world = f.int_in("world_size", 1, 1 << 20) if "world_size" in f.rec else None
         return cls(
             _check_run_id(f, run_id), s, a, sid, f.text("writer_id", _WRITER), f.text("identity_digest", _HEX64),
-            comps, f.time("created_at"), metadata, ranks, world,
+            comps, f.time("created_at"), metadata, ranks, world, *_auth_of(raw, where),
         )
 
 
 @dataclass(frozen=True)
-class EventRecord:
+class EventRecord(Signable):
     """One entry of the run's append-only ledger."""
 
     event: str
     at: float
     attempt: int | None
     payload: dict[str, Any]
+    auth: AuthTag | None = field(default=None, compare=False)
+    body_digest: str = field(default="", compare=False)
+    kind = "event"
 
-    def encode(self) -> bytes:
-        return canonical_json(
+    def to_record(self) -> dict[str, Any]:
+        return _with_auth(
             {
                 "protocol_version": PROTOCOL_VERSION,
                 "kind": "event",
@@ -341,7 +390,8 @@ class EventRecord:
                 "at": self.at,
                 "attempt": self.attempt,
                 "payload": self.payload,
-            }
+            },
+            self.auth,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -349,7 +399,8 @@ class EventRecord:
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> EventRecord:
-        f = _Fields(_decode(data, kind="event", where=where, max_bytes=MAX_EVENT_RECORD), where, "event")
+        raw = _decode(data, kind="event", where=where, max_bytes=MAX_EVENT_RECORD)
+        f = _Fields(raw, where, "event")
         kind = f.text("event", max_len=64)
         try:
             validate_event_kind(kind)
@@ -357,4 +408,4 @@ class EventRecord:
             raise f.bad("event", "an event kind") from None
         payload = f.obj("payload")
         assert payload is not None
-        return cls(kind, f.time("at"), f.int_in("attempt", 1, MAX_ATTEMPT, optional=True), payload)
+        return cls(kind, f.time("at"), f.int_in("attempt", 1, MAX_ATTEMPT, optional=True), payload, *_auth_of(raw, where))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .records import AttemptRecord, CommitRecord, ComponentEntry
 
-#: Commits tried, newest first, before selection gives up (a store stuffed with
+#: Commit records read, newest first, before selection gives up (a store stuffed with
 #: junk records cannot make a resume read without bound).
 MAX_CANDIDATES = 1000
 #: Skipped candidates reported in full; the rest are counted.
@@ -44,6 +44,7 @@ class SkipReason(str, enum.Enum):
     IDENTITY_MISMATCH = "identity-mismatch"
     UNSUPPORTED_VERSION = "unsupported-version"
     UNREGISTERED_ATTEMPT = "unregistered-attempt"
+    UNAUTHENTICATED = "unauthenticated"
 
 
 @dataclass(frozen=True)

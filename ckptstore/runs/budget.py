@@ -187,4 +187,4 @@ def young_daly_interval(save_cost: float, mtbi: float) -> float:
     (both in the same unit, e.g. steps or seconds)."""
     if save_cost < 0 or mtbi <= 0:
         raise InvalidInputError("save cost must be >= 0 and the mean time between interruptions > 0")
-    return (2 * save_cost * mtbi) ** 0.5
+    return float((2 * save_cost * mtbi) ** 0.5)

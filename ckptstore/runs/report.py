@@ -11,9 +11,9 @@ import html
 import time
 from typing import Any
 
-from .budget import Budget, account, compare_costs
 from ..protocol.selection import SaveState
 from ..store import CheckpointStore
+from .budget import Budget, account, compare_costs
 
 
 def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: bool = True) -> dict[str, Any]:
@@ -164,7 +164,7 @@ def render_timeline_svg(rec: dict[str, Any], width: int = 900, height: int = 360
     W, H = width - ml - mr, height - mt - mb
 
     def x(t: float) -> float:
-        return ml + (t - t0) / max(1e-9, t1 - t0) * W
+        return float(ml + (t - t0) / max(1e-9, t1 - t0) * W)
 
     def y(s: float) -> float:
         return mt + H - (s + 1) / (smax + 1) * H

@@ -32,9 +32,6 @@ from ..faults import Crashed
 
 Entry = tuple[str, object]  # ("f", ino) | ("d", path)
 
-MUTATING = ("open_new", "write", "fsync", "rename", "link", "unlink", "mkdir", "rmdir", "fsync_dir")
-
-
 @dataclass
 class _Inode:
     data: bytearray = field(default_factory=bytearray)
@@ -256,7 +253,8 @@ class SimFS(PosixOps):
         fs._next = self._next
         for (kind, what), c in zip(decisions, combo, strict=True):
             if kind == "entry":
-                path, name = what  # type: ignore[misc]
+                assert isinstance(what, tuple)
+                path, name = str(what[0]), str(what[1])
                 if c:
                     v = self.dirs[path].vol.get(name)
                     if v is None:

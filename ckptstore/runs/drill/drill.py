@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...store import CheckpointStore
 from ..budget import Budget, account, young_daly_interval
 from ..report import build_record, render_table, render_timeline_svg
-from ...store import CheckpointStore
 from .proc import ProcResult, run_trainer, trainer_cmd
 
 TOLERANCE = {"eval_accuracy": 0.01, "eval_loss": 0.01}  # declared before any run

@@ -32,12 +32,12 @@ import blake3
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..budget import Budget, account
-from ..decision import Action, plan_resume
 from ...errors import CkptStoreError, NotFoundError
 from ...identity import RunIdentity, digest_tree
 from ...store import CheckpointStore
 from ...torch import Checkpointer, ResumableSampler, torch_environment
+from ..budget import Budget, account
+from ..decision import Action, plan_resume
 from .data import CLASSES, Snapshot, make_snapshot
 
 
@@ -179,7 +179,7 @@ class BudgetStop(Exception):
     pass
 
 
-def _batches(loader: DataLoader) -> Iterator[Any]:
+def _batches(loader: DataLoader[Any]) -> Iterator[Any]:
     while True:
         yield from loader
 

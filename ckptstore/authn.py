@@ -1,0 +1,163 @@
+"""Authenticated records in use: where keys come from, sealing the records a
+store writes, and judging the records it reads (the tag format is in
+:mod:`ckptstore.protocol.auth`; the threat model in ``protocol_spec/THREATS.md``).
+
+Keys are never stored with the checkpoints. They come from, in order: a
+:class:`Keyring` passed in, a callable (a key service), a key file
+(``{"active": ID, "keys": {ID: HEX}}``, refused if others can read it), or
+the ``CKPTSTORE_AUTH_KEYS`` environment variable (``ID:HEX[,ID:HEX...]``, the
+first one signs).
+
+Records written before a key existed can be signed afterwards
+(``ckptstore sign``): the tag then lives in a *sidecar* object
+``<run>/auth/<record key relative to the run>``, created exclusively, which a
+reader consults only for a record that carries no tag of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from .errors import InvalidInputError
+from .protocol import PROTOCOL_VERSION, canonical_json, decode_json
+from .protocol.auth import AuthPolicy, AuthTag, Keyring, check_key_id
+from .protocol.records import Signable
+from .runio import RunIO
+
+ENV_KEYS = "CKPTSTORE_AUTH_KEYS"
+AUTH_DIR = "auth"
+MAX_SIDECAR = 4096
+R = TypeVar("R", bound=Signable)
+
+
+class UnauthenticatedWarning(UserWarning):
+    """Under ``auth_policy="warn"``: a record is used although it is not authenticated."""
+
+
+def _parse_hex_key(kid: str, text: str) -> bytes:
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise InvalidInputError(f"key {kid!r} is not hexadecimal") from None
+
+
+def keyring_from_env(var: str = ENV_KEYS) -> Keyring | None:
+    spec = os.environ.get(var, "").strip()
+    if not spec:
+        return None
+    keys: dict[str, bytes] = {}
+    for part in spec.split(","):
+        kid, sep, hexkey = part.partition(":")
+        if not sep:
+            raise InvalidInputError(f"{var} must be ID:HEX[,ID:HEX...] (the key itself is not shown)")
+        keys[check_key_id(kid.strip())] = _parse_hex_key(kid, hexkey)
+    return Keyring(keys, next(iter(keys)))
+
+
+def keyring_from_file(path: str | os.PathLike[str]) -> Keyring:
+    p = os.fspath(path)
+    try:
+        st = os.stat(p)
+        if st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
+            raise InvalidInputError(f"key file {p}: must be a regular file readable by its owner only (chmod 600)")
+        with open(p, "rb") as f:
+            data = f.read(1 << 16)
+    except OSError as exc:
+        raise InvalidInputError(f"key file {p}: {exc.strerror}") from None
+    try:
+        doc = decode_json(data, where=p, max_bytes=1 << 16)
+    except Exception:  # noqa: BLE001 - never echo key material
+        raise InvalidInputError(f"key file {p}: not valid JSON") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("keys"), dict) or not doc["keys"]:
+        raise InvalidInputError(f'key file {p}: expected {{"active": ID, "keys": {{ID: HEX}}}}')
+    keys = {check_key_id(str(k)): _parse_hex_key(str(k), str(v)) for k, v in doc["keys"].items()}
+    active = doc.get("active")
+    return Keyring(keys, str(active) if active is not None else None)
+
+
+def load_keyring(
+    *, key_file: str | os.PathLike[str] | None = None, key_fn: Callable[[], Mapping[str, bytes]] | None = None
+) -> Keyring | None:
+    if key_fn is not None:
+        keys = dict(key_fn())
+        return Keyring(keys, next(iter(keys), None))
+    if key_file is not None:
+        return keyring_from_file(key_file)
+    return keyring_from_env()
+
+
+def sidecar_key(record_key: str) -> str:
+    run_id, _, rest = record_key.partition("/")
+    return f"{run_id}/{AUTH_DIR}/{rest}"
+
+
+class RecordAuth:
+    """One store's authentication policy and keys."""
+
+    def __init__(self, policy: AuthPolicy | str = AuthPolicy.OFF, keyring: Keyring | None = None) -> None:
+        try:
+            self.policy = AuthPolicy(policy)
+        except ValueError:
+            raise InvalidInputError(f"auth_policy must be one of off, warn, require; got {policy!r}") from None
+        if self.policy is not AuthPolicy.OFF and keyring is None:
+            keyring = keyring_from_env()
+        if self.policy is AuthPolicy.REQUIRE and (keyring is None or not keyring.key_ids):
+            raise InvalidInputError(
+                f'auth_policy="require" needs a key: pass keyring=..., or set {ENV_KEYS}=ID:HEX (never stored with the checkpoints)'
+            )
+        self.keyring = keyring
+
+    def seal(self, rec: R, run_id: str) -> R:
+        """The record with its tag, when a signing key is configured."""
+        if self.policy is AuthPolicy.OFF or self.keyring is None:
+            return rec
+        tag = self.keyring.sign(rec.kind, run_id, rec.unsigned_digest())
+        return dataclasses.replace(rec, auth=tag) if tag is not None else rec  # type: ignore[type-var]
+
+    def problem(self, rec: Signable, run_id: str, io: RunIO | None = None, key: str | None = None) -> str | None:
+        """None if the record is authentic (or the policy is off), else why not.
+        A record without a tag of its own is looked up in its sidecar."""
+        if self.policy is AuthPolicy.OFF:
+            return None
+        if self.keyring is None:
+            return "no key configured to check it"
+        tag = rec.auth
+        if tag is None and io is not None and key is not None:
+            tag = self._sidecar(io, key, rec.body_digest)
+        return self.keyring.check(rec.kind, run_id, rec.body_digest, tag)
+
+    def judge(self, rec: Signable, run_id: str, io: RunIO | None = None, key: str | None = None) -> str | None:
+        """:meth:`problem`, with ``warn``'s warning: returns a reason only when
+        the policy requires the record to be refused."""
+        why = self.problem(rec, run_id, io, key)
+        if why is None:
+            return None
+        if self.policy is AuthPolicy.WARN:
+            warnings.warn(f"{key or rec.kind}: used although {why}", UnauthenticatedWarning, stacklevel=3)
+            return None
+        return why
+
+    @staticmethod
+    def _sidecar(io: RunIO, key: str, body_digest: str) -> AuthTag | None:
+        try:
+            doc = decode_json(io.get_bounded(sidecar_key(key), MAX_SIDECAR), where=key, max_bytes=MAX_SIDECAR)
+        except Exception:  # noqa: BLE001 - an unreadable or missing sidecar authenticates nothing
+            return None
+        if not isinstance(doc, dict) or doc.get("body_digest") != body_digest:
+            return None
+        return AuthTag.parse(doc.get("auth"))
+
+    def sign_existing(self, io: RunIO, key: str, rec: Signable) -> bool:
+        """Write the sidecar tag of an existing record; False if it has one."""
+        if self.keyring is None or self.keyring.active is None:
+            raise InvalidInputError(f"signing needs a key: set {ENV_KEYS}=ID:HEX or pass a key file")
+        tag = self.keyring.sign(rec.kind, io.run_id, rec.body_digest)
+        assert tag is not None
+        doc = {"protocol_version": PROTOCOL_VERSION, "kind": "auth", "record": key, "body_digest": rec.body_digest,
+               "auth": tag.to_json()}
+        return io.create(sidecar_key(key), canonical_json(doc), what="auth sidecar")

@@ -51,10 +51,10 @@ def worker(spec: dict[str, Any]) -> None:
     state = {f"r{rank}.t{i}": torch.randn(numel, generator=g) for i in range(n_tensors)}
     out: dict[str, dict[str, list[float]]] = {}
 
-    def timed(fn: Any) -> float:
+    def timed(fn: Any, *args: Any, **kw: Any) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
+        fn(*args, **kw)
         dist.barrier()
         return time.perf_counter() - t0
 
@@ -73,17 +73,17 @@ def worker(spec: dict[str, Any]) -> None:
             order = ["fs", "store"] if rnd % 2 == 0 else ["store", "fs"]
             for kind in order:
                 if kind == "fs":
-                    t = timed(lambda: dcp.save(state, storage_writer=FileSystemWriter(fs_dir, sync_files=True)))
+                    t = timed(dcp.save, state, storage_writer=FileSystemWriter(fs_dir, sync_files=True))
                 else:
-                    t = timed(lambda: dcp.save(state, storage_writer=StoreWriter(run, step=step)))
+                    t = timed(dcp.save, state, storage_writer=StoreWriter(run, step=step))
                 res.setdefault(f"save_{kind}", []).append(t)
             target = {k: torch.empty_like(v) for k, v in state.items()}
             ref = run.store.get_save(step)
             for kind in order:
                 if kind == "fs":
-                    t = timed(lambda: dcp.load(target, storage_reader=FileSystemReader(fs_dir)))
+                    t = timed(dcp.load, target, storage_reader=FileSystemReader(fs_dir))
                 else:
-                    t = timed(lambda: dcp.load(target, storage_reader=StoreReader(run, ref)))
+                    t = timed(dcp.load, target, storage_reader=StoreReader(run, ref))
                 res.setdefault(f"load_{kind}", []).append(t)
             for kind in order:
                 step += 1

@@ -37,8 +37,8 @@ from ..errors import (
     SaveAbortedError,
 )
 from ..identity import RunIdentity, identity_digest, normalize_identity
-from ..retry import RetryPolicy
 from ..protocol.selection import SaveRef
+from ..retry import RetryPolicy
 from ..store import CheckpointStore
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after

@@ -286,7 +286,12 @@ def open_distributed(
     resume point.
 
     ``timeout``: deadline of each control message (seconds). ``save_timeout``:
-    how long the coordinator waits for every rank's inventory of a save.
+    how long the coordinator waits for every rank's inventory of a save (and
+    how much longer than ``timeout`` the other ranks wait for the outcome of
+    the open, which includes the deep check of the resume point).
+
+    Every rank must make the same collective calls (open, each ``save``) in
+    the same order, from one thread at a time.
     """
     ch = Channel(group, timeout=timeout, name=P.validate_run_id(run_id))
     ident = _identity_dict(identity)
@@ -333,9 +338,11 @@ def open_distributed(
         ch.post(tag, "ready", ready)
         return DistributedRun(store, ch, resharded=resharded, save_timeout=save_timeout)
     # ------------------------------------------------------------- members
-    # members wait longer than the coordinator's own deadlines, so a coordinator
-    # that gives up on a rank still reaches everyone else with its answer
-    outcome = ch.receive(tag, "outcome", timeout=2 * timeout + 60)
+    # Members wait longer than the coordinator's own deadlines, so a coordinator
+    # that gives up on a rank still reaches everyone else with its answer; the
+    # coordinator's open includes the deep check of the resume point (every
+    # byte re-hashed), which is bounded by save_timeout like a save.
+    outcome = ch.receive(tag, "outcome", timeout=2 * timeout + save_timeout)
     if not outcome.get("ok"):
         raise error_from_json(outcome["error"])
     member: CheckpointStore | None = None

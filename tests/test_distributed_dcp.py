@@ -147,3 +147,38 @@ def test_reader_verifies_every_range(tmp_path: Path) -> None:
         dcp.load(target, storage_reader=StoreReader(store), no_dist=True)
     assert "item b (bytes" in str(ei.value) and "does not match its BLAKE3 digest" in str(ei.value)
     assert CorruptionError.__name__ in str(ei.value)
+
+
+def test_metadata_json_round_trip_and_strict_decoding() -> None:
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ckptstore.distributed.dcp_metadata import ItemInfo, decode_metadata, encode_metadata
+
+    md = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([4, 2]),
+                                       [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 2])),
+                                        ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 2]))]),
+            "o": BytesStorageMetadata(),
+        },
+        planner_data={"w": ("model", "w"), "o": ("opt", 0)},
+        version="1.0.0",
+    )
+    items = {MetadataIndex("w", [2, 0]): ItemInfo("dcp/rank00001-0.bin", 8, 8, "ab" * 32, "bfloat16", (2, 2))}
+    data = encode_metadata(md, items)
+    back, back_items = decode_metadata(data, "here")
+    assert back.state_dict_metadata == md.state_dict_metadata
+    assert back.planner_data == {"w": ("model", "w"), "o": ("opt", 0)}  # tuples survive
+    assert back_items == items
+    hostile = data.replace(b'"bfloat16"', b'"os.system"', 1)
+    with pytest.raises(CorruptionError, match="unknown dtype"):
+        decode_metadata(hostile, "here")
+    with pytest.raises(CorruptionError, match="not a ckptstore.dcp/1 document"):
+        decode_metadata(b'{"format": "pickle"}', "here")

@@ -66,6 +66,8 @@ class ItemInfo:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ItemInfo:
         shape = d.get("shape")
+        if d.get("dtype") is not None:
+            dtype_from_name(str(d["dtype"]))  # refuse an unknown dtype when decoding, not later
         return cls(
             str(d["component"]), _int(d["offset"]), _int(d["length"]), str(d["blake3"]),
             None if d.get("dtype") is None else str(d["dtype"]),

@@ -71,6 +71,42 @@ def save(run: Any, step: int, fault: dict[str, Any] | None) -> dict[str, Any]:
         return err_json(exc)
 
 
+def checkpointer(run: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank RNG and data position through Checkpointer(RankStore(run)):
+    train to args.stop (saving every 2 steps), record the draws after each step."""
+    import random
+
+    import torch
+
+    from ckptstore.distributed.ranked import RankStore
+    from ckptstore.torch import Checkpointer
+
+    class Position:
+        def __init__(self) -> None:
+            self.pos = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"pos": self.pos}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.pos = int(sd["pos"])
+
+    torch.manual_seed(1000 + run.rank)  # per-rank streams
+    random.seed(2000 + run.rank)
+    model = torch.nn.Linear(3, 2)
+    pos = Position()
+    ckpt = Checkpointer(RankStore(run), {"model": model, "data": pos}, every_steps=2, async_save=False,
+                        handle_signals=False)
+    start = ckpt.resume()
+    draws = {}
+    for step in range(start, int(args["stop"])):
+        pos.pos += 1 + run.rank  # each rank walks its own shard of the data
+        draws[step] = [float(torch.rand(1)), random.random(), pos.pos]
+        ckpt.step_end(step)
+    ckpt.close()
+    return {"ok": True, "start": start, "draws": draws}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     rank, world = int(spec["rank"]), int(spec["world"])
@@ -95,8 +131,8 @@ def main() -> None:
     if scenario == "saves":
         for step in args.get("steps", [1]):
             emit(event=f"save{step}", **save(run, step, args.get("faults", {}).get(str(step))))
-    elif scenario == "two_opens":
-        pass
+    elif scenario == "checkpointer":
+        emit(event="ckpt", **checkpointer(run, args))
     if run.resumed_from is not None:
         data = run.store.read(run.resumed_from, f"rank{rank}/model")
         emit(event="read", ok=data == blob(run.resumed_from.step, rank))

@@ -189,3 +189,21 @@ def test_four_ranks(backend_kind: str, tmp_path: Path, request) -> None:  # type
     assert len({s["digest"] for s in ok(res, "save5")}) == 1
     ref = reader(url, opts).latest_complete(deep=True)
     assert ref is not None and len(ref.components) == 8
+
+
+@pytest.mark.backends("local")
+def test_checkpointer_on_two_ranks_resumes_exactly(backend_kind: str, tmp_path: Path, request) -> None:  # type: ignore[no-untyped-def]
+    url, opts = where(backend_kind, tmp_path, request)
+    ref_url = str(tmp_path / "reference")
+    full = run_job(2, ref_url, "checkpointer", args={"stop": 8})  # uninterrupted
+    first = run_job(2, url, "checkpointer", args={"stop": 5})  # saves after steps 1 and 3, stops
+    second = run_job(2, url, "checkpointer", args={"stop": 8})  # resumes at step 4
+    for r in (0, 1):
+        a, b, c = full[r].results["ckpt"], first[r].results["ckpt"], second[r].results["ckpt"]
+        assert b["start"] == 0 and c["start"] == 4, (b, c)
+        # every rank continues its own RNG streams and data position exactly
+        assert {k: v for k, v in a["draws"].items() if int(k) >= 4} == c["draws"]
+    ref = reader(url, opts).latest_complete(deep=True)
+    assert ref is not None and ref.step == 7
+    assert ref.record.ranks is not None and set(ref.record.ranks) == {0, 1}
+    assert all(n.startswith(f"rank{r}/") for r, names in ref.record.ranks.items() for n in names)

@@ -20,6 +20,7 @@ process group's rendezvous store; every wait has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from types import TracebackType
@@ -163,6 +164,11 @@ class DistributedSave:
         else:
             comps = self._staged.components
             report = {"ok": True, "components": {n: [c.size, c.blake3] for n, c in sorted(comps.items())}}
+        if exc is not None and not isinstance(exc, Exception):
+            # KeyboardInterrupt, SystemExit: tell the others, then let it propagate unchanged
+            with contextlib.suppress(CkptStoreError):
+                self._finish(report)
+            return
         self.ref = self._finish(report)
 
     # ----------------------------------------------------------------- finish

@@ -131,6 +131,12 @@ def main() -> None:
     if scenario == "saves":
         for step in args.get("steps", [1]):
             emit(event=f"save{step}", **save(run, step, args.get("faults", {}).get(str(step))))
+    elif scenario == "two_places":
+        # the same run ID opened a second time, in another store, by the same job
+        other = open_distributed(spec["url"] + "-b", "run", identity=ident, storage_options=opts, timeout=60)
+        emit(event="other", ok=True, attempt=other.attempt.number)
+        emit(event="save1", **save(run, 1, None))
+        emit(event="save1b", **save(other, 1, None))
     elif scenario == "checkpointer":
         emit(event="ckpt", **checkpointer(run, args))
     if run.resumed_from is not None:

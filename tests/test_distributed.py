@@ -207,3 +207,16 @@ def test_checkpointer_on_two_ranks_resumes_exactly(backend_kind: str, tmp_path: 
     assert ref is not None and ref.step == 7
     assert ref.record.ranks is not None and set(ref.record.ranks) == {0, 1}
     assert all(n.startswith(f"rank{r}/") for r, names in ref.record.ranks.items() for n in names)
+
+
+@pytest.mark.backends("local")
+def test_one_job_opens_the_same_run_id_in_two_stores(backend_kind: str, tmp_path: Path, request) -> None:  # type: ignore[no-untyped-def]
+    # regression: the two opens' messages once shared keys, and the second store's
+    # members tried to join the first store's attempt
+    url, opts = where(backend_kind, tmp_path, request)
+    res = run_job(2, url, "saves", opts=opts, args={"steps": [1]})  # the first store already has attempt 1
+    res = run_job(2, url, "two_places", opts=opts)
+    assert [o["attempt"] for o in ok(res, "open")] == [2, 2]
+    assert [o["attempt"] for o in ok(res, "other")] == [1, 1]
+    assert all(s["ok"] for s in ok(res, "save1") + ok(res, "save1b"))
+    assert reader(url + "-b", opts).latest_complete(deep=True) is not None

@@ -10,15 +10,17 @@ answer, so the error can name them. A collective on a group with a dead rank
 only tells "connection closed" (or hangs until the group's timeout), and the
 group is unusable afterwards.
 
-Keys: ``ckptstore/<group>/<seq>/<what>/<rank>``. ``seq`` counts the
-exchanges of this channel; every rank performs the same exchanges in the
-same order (they are all entered collectively), so the keys line up.
+Keys: ``ckptstore/<name>/<group>/<seq>/<what>/<rank>``. ``seq`` counts the
+exchanges of every channel of this process with that name and group; every
+rank performs the same exchanges in the same order (they are all entered
+collectively), so the keys line up.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -29,6 +31,14 @@ import torch.distributed as dist
 from ..errors import CkptStoreError
 
 _POLL = 0.02
+
+# Exchange counters per key prefix, shared by every Channel of this process:
+# two channels with the same name and group (the same run ID opened twice, or
+# in two stores) continue one sequence, so their keys never collide. Every
+# rank creates its channels and exchanges in the same order, so the numbers
+# line up across ranks.
+_SEQ: dict[str, int] = {}
+_SEQ_LOCK = threading.Lock()
 
 
 class ChannelError(CkptStoreError):
@@ -75,7 +85,6 @@ class Channel:
         self._store = dist.distributed_c10d._get_default_store()
         gid = hashlib.sha1(",".join(map(str, self.ranks)).encode()).hexdigest()[:10]
         self.prefix = f"ckptstore/{name}/{gid}"
-        self._seq = 0
 
     @property
     def is_coordinator(self) -> bool:
@@ -83,8 +92,9 @@ class Channel:
 
     def next(self) -> str:
         """A new exchange tag; every rank must call this in the same order."""
-        self._seq += 1
-        return f"{self.prefix}/{self._seq}"
+        with _SEQ_LOCK:
+            n = _SEQ[self.prefix] = _SEQ.get(self.prefix, 0) + 1
+        return f"{self.prefix}/{n}"
 
     # -------------------------------------------------------------- primitives
     def _key(self, tag: str, what: str, rank: int | str) -> str:

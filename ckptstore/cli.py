@@ -1,8 +1,14 @@
 """The ``ckptstore`` command line.
 
-Human tables by default, ``--json`` for machines. Every deliberate error is one
-line on stderr and a non-zero exit code (2 for bad input, 1 for a failed check
-or unavailable storage), never a traceback.
+Human tables by default, ``--json`` for machines. Every failure is one line on
+stderr and a non-zero exit code (2 for bad input, 1 for a failed check,
+unavailable storage or an unexpected error), never a traceback unless
+``--debug`` asks for one.
+
+Hostile storage (protocol_spec/THREATS.md): every string that comes from the
+store is escaped before it reaches the terminal (:mod:`ckptstore.terminal`),
+and every message is redacted (:mod:`ckptstore.redact`): passwords in URLs and
+the values of ``-o`` storage options are never printed.
 """
 
 from __future__ import annotations
@@ -14,8 +20,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import CkptStoreError, ExtraRequiredError, InvalidInputError
+from .cliout import OneLineParser, emit, esc, parse_options, run_guarded
+from .errors import ExtraRequiredError
+from .redact import redact_text
 from .store import CheckpointStore, SaveRef
+from .terminal import sanitize
+
+_parse_options = parse_options
+_emit = emit
 
 
 def _human_bytes(n: int) -> str:
@@ -35,19 +47,6 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for p in pairs or []:
-        if "=" not in p:
-            raise InvalidInputError(f"--storage-option {p!r}: expected KEY=VALUE")
-        k, v = p.split("=", 1)
-        val: Any = v
-        if v.lower() in ("true", "false"):
-            val = v.lower() == "true"
-        out[k] = val
-    return out
-
-
 def _open(args: argparse.Namespace, *, default_policy: str = "off") -> CheckpointStore:
     from .authn import load_keyring
 
@@ -65,7 +64,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
     rep = store.sign()
     obj = {"signed": rep.signed, "already": rep.already, "refused": rep.refused}
     lines = [f"signed {len(rep.signed)} record(s), {len(rep.already)} already authenticated"]
-    lines += [f"  not signed: {k}: {why}" for k, why in sorted(rep.refused.items())]
+    lines += [f"  not signed: {esc(k)}: {esc(why)}" for k, why in sorted(rep.refused.items())]
     _emit(args, obj, "\n".join(lines))
     return 0
 
@@ -82,13 +81,6 @@ def _ref_json(ref: SaveRef) -> dict[str, Any]:
     }
 
 
-def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
-    if args.json:
-        print(json.dumps(obj, indent=2, sort_keys=True))
-    else:
-        print(text)
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _open(args)
     infos = store.list_saves(deep=args.deep, grace_seconds=args.grace)
@@ -100,8 +92,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             i.state.value,
             _human_bytes(i.bytes),
             str(i.components),
-            i.save_id,
-            i.detail,
+            esc(i.save_id),
+            esc(i.detail),
         ]
         for i in infos
     ]
@@ -132,16 +124,16 @@ def cmd_latest(args: argparse.Namespace) -> int:
     ]
     if sel.latest:
         lines.append(
-            f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {sel.latest.save_id}, "
+            f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {esc(sel.latest.save_id)}, "
             f"{_human_bytes(sel.latest.total_bytes)})"
         )
     else:
         lines.append("no complete save")
     for s in sel.skipped:
-        lines.append(f"  skipped step {s.step} attempt {s.attempt}: {s.reason.value}: {s.detail}")
+        lines.append(f"  skipped step {s.step} attempt {s.attempt}: {s.reason.value}: {esc(s.detail)}")
     if sel.more_skipped:
         lines.append(f"  ... and {sel.more_skipped} older skipped candidate(s)")
-    lines += [f"note: {n}" for n in sel.notes]
+    lines += [f"note: {esc(n)}" for n in sel.notes]
     _emit(args, obj, "\n".join(lines))
     return 0 if sel.latest else 1
 
@@ -169,12 +161,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     }
     if rep.ok:
         text = (
-            f"OK: step {ref.step} (save {ref.save_id}): {len(ref.components)} component(s), "
+            f"OK: step {ref.step} (save {esc(ref.save_id)}): {len(ref.components)} component(s), "
             f"{_human_bytes(ref.total_bytes)} {'re-hashed' if rep.deep else 'sizes checked'} in {took:.2f}s"
         )
     else:
-        text = f"CORRUPT: step {ref.step} (save {ref.save_id}):\n" + "\n".join(
-            f"  {r.value}: {d}" for r, d in rep.problems
+        text = f"CORRUPT: step {ref.step} (save {esc(ref.save_id)}):\n" + "\n".join(
+            f"  {r.value}: {esc(d)}" for r, d in rep.problems
         )
     _emit(args, obj, text)
     return 0 if rep.ok else 1
@@ -191,9 +183,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         "temporaries": rep.temporaries,
     }
     verb = "would delete" if rep.dry_run else "deleted"
-    lines = [f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s), "
-             f"{len(rep.temporaries)} stray temporary file(s); kept {len(rep.kept)}"]
-    lines += [f"  {s}: {r}" for s, r in rep.deleted_saves]
+    lines = [(f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s), "
+              f"{len(rep.temporaries)} stray temporary file(s); kept {len(rep.kept)}")]
+    lines += [f"  {esc(s)}: {esc(r)}" for s, r in rep.deleted_saves]
     if rep.dry_run and rep.actions:
         lines.append("dry run: pass --apply to delete")
     _emit(args, obj, "\n".join(lines))
@@ -210,7 +202,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ref = store.latest_complete()
     obj = {
         "run_id": store.run_id,
-        "url": store.backend.url,
+        "url": redact_text(store.backend.url),
         "identity": run["identity"],
         "identity_digest": store.identity_digest,
         "lineage": run.get("lineage"),
@@ -218,17 +210,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "attempts": [a.to_record() for a in attempts],
         "save": _ref_json(ref) if ref else None,
     }
-    lines = [f"run {store.run_id} at {store.backend.url}", "identity:"]
-    lines += [f"  {k}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(run["identity"].items())]
+    lines = [f"run {esc(store.run_id)} at {esc(redact_text(store.backend.url))}", "identity:"]
+    lines += [f"  {esc(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(run["identity"].items())]
     if run.get("lineage"):
         lines.append(f"lineage: {json.dumps(run['lineage'], sort_keys=True)}")
     lines.append(f"attempts: {len(attempts)}")
     for a in attempts:
         start = "scratch" if a.resumed_from is None else f"step {a.resumed_from}"
-        lines.append(f"  #{a.number} resumed from {start} on {a.host or '?'}")
+        lines.append(f"  #{a.number} resumed from {start} on {esc(a.host or '?')}")
     if ref:
-        lines.append(f"save step {ref.step} attempt {ref.attempt} ({ref.save_id}), manifest {ref.manifest_digest[:16]}…")
-        rows = [[n, _human_bytes(c.size), c.blake3[:16] + "…"] for n, c in sorted(ref.components.items())]
+        lines.append(f"save step {ref.step} attempt {ref.attempt} ({esc(ref.save_id)}), "
+                     f"manifest {esc(ref.manifest_digest[:16])}…")
+        rows = [[esc(n), _human_bytes(c.size), esc(c.blake3[:16]) + "…"] for n, c in sorted(ref.components.items())]
         lines.append(_table(rows, ["component", "size", "blake3"]))
     else:
         lines.append("no complete save")
@@ -271,7 +264,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.svg:
         with open(args.svg, "w") as f:
             f.write(render_timeline_svg(rec))
-    _emit(args, rec, render_table(rec))
+    _emit(args, rec, render_table(sanitize(rec)))
     return 0
 
 
@@ -282,13 +275,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="ckptstore",
         description="Crash-consistent training checkpoints. Without a command: a save / crash / resume demonstration.",
     )
+    p.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = p.add_subparsers(dest="command")
 
+    def debug_flag(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print the traceback of a failure")
+
     def common(sp: argparse.ArgumentParser) -> None:
+        debug_flag(sp)
         sp.add_argument("url", help="store URL: a directory, file://, memory://, s3://bucket/prefix, gs://bucket/prefix")
         sp.add_argument("run", help="run ID")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
@@ -339,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
     sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
+    debug_flag(sp)
     sp.set_defaults(fn=cmd_demo)
 
     sp = sub.add_parser("drill", help="the recovery drill (the default command)")
@@ -350,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mtbi-steps", type=float, default=40.0, help="expected steps between interruptions")
     sp.add_argument("--verbose", action="store_true", help="echo the trainer processes' output")
     sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE")
+    debug_flag(sp)
     sp.set_defaults(fn=cmd_drill)
 
     sp = sub.add_parser("report", help="the operator record of a run, from the store alone")
@@ -362,22 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["drill"])
-    try:
-        return int(args.fn(args))
-    except (InvalidInputError, ExtraRequiredError) as exc:
-        print(f"ckptstore: error: {exc}", file=sys.stderr)
-        return 2
-    except CkptStoreError as exc:
-        print(f"ckptstore: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("ckptstore: interrupted", file=sys.stderr)
-        return 130
+        args = parser.parse_args(["drill", *(["--debug"] if getattr(args, "debug", False) else [])])
+    return run_guarded(args)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import blake3
 from .backends.base import Backend, ObjectInfo
 from .errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUnavailableError, TransientError
 from .protocol import ComponentEntry
+from .redact import redact_text
 from .retry import RetryPolicy
 from .streams import CHUNK, HashingStream, is_replayable, rewind
 
@@ -69,7 +70,7 @@ class RunIO:
                 uncertain = True
                 if i == policy.attempts - 1:
                     raise CommitUnknownError(
-                        f"{self.where(key)}: the {what} create failed {policy.attempts} times ({exc}); "
+                        f"{self.where(key)}: the {what} create failed {policy.attempts} times ({redact_text(str(exc))}); "
                         "it may or may not have landed. Treat this save as not acknowledged."
                     ) from exc
                 policy.backoff(i)
@@ -82,7 +83,7 @@ class RunIO:
             except (NotFoundError, StoreUnavailableError) as exc:
                 if uncertain:
                     raise CommitUnknownError(
-                        f"{self.where(key)}: the {what} exists but cannot be read back ({exc}); "
+                        f"{self.where(key)}: the {what} exists but cannot be read back ({redact_text(str(exc))}); "
                         "its outcome is unknown. Treat this save as not acknowledged."
                     ) from exc
                 raise

@@ -16,7 +16,6 @@ The sequences are specified in ``protocol_spec/PROTOCOL.md``; keep the two in st
 from __future__ import annotations
 
 import os
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,15 +24,15 @@ from typing import Any, Literal, overload
 from .authn import RecordAuth
 from .backends.base import Backend
 from .catalog import Catalog
-from .errors import InvalidInputError, UnsupportedBackendError
+from .errors import InvalidInputError
 from .fencing import AttemptLog
 from .gcrun import GcReport, collect
+from .guards import check_can_write, check_metadata
 from .identity import RunIdentity, identity_digest, normalize_identity
 from .ledger import Ledger
 from .protocol import (
     AttemptRecord,
     ComponentEntry,
-    canonical_json,
     new_save_id,
     run_prefix,
     validate_component_name,
@@ -57,18 +56,6 @@ __all__ = [
 
 DEFAULT_GRACE_SECONDS = 3600.0
 ResumeFrom = int | None | Literal["latest"]
-
-
-def _distributed_world_size() -> int:
-    """The size of an initialised default torch.distributed group, or 1.
-    Never imports torch: only looks at it if the caller already did."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return int(dist.get_world_size())
-    except Exception:  # noqa: BLE001 - a half-initialised torch is not our concern here
-        return 1
-    return 1
 
 
 class CheckpointStore:
@@ -123,7 +110,7 @@ class CheckpointStore:
         self.resumed_from: SaveRef | None = None
         requested = normalize_identity(identity) if identity is not None else None
         if self.mode == "w":
-            self._check_can_write(requested, join_attempt, single_writer)
+            check_can_write(backend, requested, join_attempt, single_writer)
             assert requested is not None
             self.identity = bind_identity(self._io, requested, lineage, self._auth)
         else:
@@ -139,23 +126,6 @@ class CheckpointStore:
                     self.writer_id, resume_from,
                     lambda view: self._catalog.select(self._resume_deep, view, explain=False).latest,
                 )
-
-    def _check_can_write(self, requested: dict[str, Any] | None, join_attempt: int | None, single: bool) -> None:
-        if requested is None:
-            raise InvalidInputError("opening a run for writing needs its identity (identity=...)")
-        if not self.backend.capabilities.atomic_create:
-            raise UnsupportedBackendError(
-                f"{self.backend.url}: this backend cannot create objects atomically (create-if-absent); "
-                "ckptstore refuses to commit on it rather than risk two writers both publishing"
-            )
-        world = _distributed_world_size()
-        if world > 1 and join_attempt is None and not single:
-            raise InvalidInputError(
-                f"this process is one of {world} ranks of a torch.distributed job: every rank opening the run "
-                "would register its own attempt and fence the others. Use "
-                "ckptstore.distributed.open_distributed(...) on every rank, or pass single_writer=True on the "
-                "one rank that saves (the DDP 'rank 0 saves' pattern)"
-            )
 
     # ------------------------------------------------------------------ open
     @classmethod
@@ -267,7 +237,7 @@ class CheckpointStore:
         post-commit fence. Raises a :class:`SaveNotPublishedError` subclass
         when the save is not acknowledged."""
         validate_step(step)
-        md = _check_metadata(metadata)
+        md = check_metadata(metadata)
         return publish(
             self._writer(), step, save_id, components, metadata=md, ranks=ranks, world_size=world_size,
             expect=expect,
@@ -289,7 +259,7 @@ class CheckpointStore:
         block aborts: nothing is published and the written components are
         removed (best effort; ``gc`` removes what a killed process left).
         """
-        md = _check_metadata(metadata)
+        md = check_metadata(metadata)
         for n in expect or []:
             validate_component_name(n)
         staged = self.stage(step, save_id=save_id)
@@ -395,20 +365,26 @@ class CheckpointStore:
             dry_run=dry_run, deep=deep,
         )
 
-    def fall_back(self, to: SaveRef | None, reason: str) -> None:
+    def fall_back(self, to: SaveRef | None, reasons: Sequence[str]) -> None:
         """Give up this attempt's resume point before anything was saved from
         it (e.g. the restore found it corrupt): register a new attempt that
         resumes from ``to`` (None: from scratch), which takes the abandoned
         point out of the run's history, and record why in the ledger. This
         store then writes as the new attempt."""
-        writer = self._writer()
-        old = writer.attempt.number
+        old, was = self._writer().attempt.number, self.resumed_from
         self.attempt, _ = self._attempts.register(self.writer_id, to.step if to is not None else None, lambda v: None)
         self.resumed_from = to
         self.record_event(
             "resume-fallback",
-            {"from_attempt": old, "to_step": to.step if to is not None else None,
-             "to_save": to.save_id if to is not None else None, "reason": reason[:2000]},
+            {
+                "from_attempt": old,
+                "from_step": was.step if was is not None else None,
+                "from_save_id": was.save_id if was is not None else None,
+                "to_step": to.step if to is not None else None,
+                "to_save_id": to.save_id if to is not None else None,
+                "attempt": self.attempt.number,
+                "reasons": [r[:1000] for r in reasons[:20]],
+            },
         )
 
     def leftovers(self, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> tuple[list[str], list[str]]:
@@ -463,12 +439,3 @@ class CheckpointStore:
     def __repr__(self) -> str:
         att = self.attempt.number if self.attempt else None
         return f"CheckpointStore({self.backend.url!r}, run_id={self.run_id!r}, mode={self.mode!r}, attempt={att})"
-
-
-def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    md = dict(metadata or {})
-    try:
-        canonical_json(md)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInputError(f"save metadata must be JSON-representable: {exc}") from None
-    return md

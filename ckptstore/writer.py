@@ -39,6 +39,7 @@ from .protocol import (
     validate_component_name,
 )
 from .protocol.selection import SaveRef
+from .redact import redact_text
 from .runio import RunIO
 from .streams import check_data
 
@@ -231,7 +232,7 @@ def publish(
         # The record landed, but whether a newer attempt fenced us off cannot be told.
         raise CommitUnknownError(
             f"run {ctx.io.run_id!r}: the commit record of step {step} landed, but the post-commit fence "
-            f"check failed ({exc}); treat the save as not acknowledged — latest_complete() tells whether "
+            f"check failed ({redact_text(str(exc))}); treat the save as not acknowledged — latest_complete() tells whether "
             "it is selectable"
         ) from exc
     return SaveRef.of(record)

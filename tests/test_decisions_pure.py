@@ -124,7 +124,7 @@ def test_fall_back_takes_the_abandoned_point_out_of_history() -> None:
     st2 = CheckpointStore.open(mem, "r", identity={"data_digest": "d"})
     assert st2.resumed_from is not None and st2.resumed_from.step == 2
     older = st2.get_save(1)
-    st2.fall_back(older, "step 2 failed its digest check during the restore")
+    st2.fall_back(older, ["step 2 failed its digest check during the restore"])
     assert st2.attempt is not None and st2.attempt.number == 3 and st2.resumed_from == older
     assert st2.latest_complete() == older  # step 2 is superseded by the fallback
     with st2.save(2) as s:

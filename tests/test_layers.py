@@ -18,16 +18,19 @@ PKG = Path(__file__).resolve().parents[1] / "ckptstore"
 # (and itself-level siblings of the protocol package, which is one layer).
 CORE_ORDER = [
     "errors",
+    "redact",
     "protocol",
     "identity",
     "retry",
     "streams",
     "backends.base",
     "backends.memory",
+    "backends.posix",
     "backends.local",
     "backends.fsspec_base",
     "backends.s3",
     "backends.gcs",
+    "guards",
     "registry",
     "runio",
     "authn",
@@ -41,7 +44,7 @@ CORE_ORDER = [
     "signrun",
     "store",
 ]
-OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata")
+OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata", "lightning", "transformers")
 
 
 def _layer(module: str) -> str:

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from ..errors import TransientError as TransientError
+from ..redact import redact_text, redact_url
 from .base import Backend, Buffer, Capabilities, ObjectInfo, check_key
 
 _TRANSIENT_NAMES = (
@@ -122,14 +123,14 @@ class FsspecBackend(Backend):
                 ) from exc
             raise NotFoundError(f"{where}: no such object") from exc
         if is_transient(exc):
-            raise TransientError(f"{where}: {what} failed transiently: {exc}") from exc
+            raise TransientError(f"{where}: {what} failed transiently: {redact_text(str(exc))}") from exc
         st = status_of(exc)
         if isinstance(exc, PermissionError) or st in (401, 403) or "Forbidden" in str(exc):
             raise StoreUnavailableError(
                 f"{self.url}: access denied during {what} of {key!r}; check the credentials "
                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or the GCS token) and the bucket's permissions"
             ) from exc
-        raise StoreUnavailableError(f"{where}: {what} failed: {type(exc).__name__}: {exc}") from exc
+        raise StoreUnavailableError(f"{where}: {what} failed: {type(exc).__name__}: {redact_text(str(exc))}") from exc
 
     def _invalidate(self, path: str | None = None) -> None:
         try:
@@ -267,7 +268,7 @@ class FsspecBackend(Backend):
         except Exception as exc:  # noqa: BLE001
             if is_transient(exc):
                 raise StoreUnavailableError(
-                    f"{self.url}: cannot reach the endpoint ({type(exc).__name__}: {exc}); check the endpoint URL "
+                    f"{self.url}: cannot reach the endpoint ({type(exc).__name__}: {redact_text(str(exc))}); check the endpoint URL "
                     "(AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST or storage_options) and the network"
                 ) from exc
             self._raise(exc, "bucket check", "")
@@ -315,7 +316,7 @@ def probe_endpoint(url: str, endpoint_env: tuple[str, ...], opts: Mapping[str, A
         socket.create_connection((host, port), timeout=5).close()
     except OSError as exc:
         raise StoreUnavailableError(
-            f"{url}: cannot reach the endpoint {endpoint} ({exc.strerror or exc}); check the endpoint URL "
+            f"{redact_url(url)}: cannot reach the endpoint {redact_url(endpoint)} ({exc.strerror or exc}); check the endpoint URL "
             "(storage_options endpoint_url, AWS_ENDPOINT_URL or STORAGE_EMULATOR_HOST) and that the server runs"
         ) from None
 

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ..errors import InvalidInputError
+from ..redact import redact_text, redact_url
 from .fsspec_base import FsspecBackend, finish_backend, prepare_options, status_of
 
 
@@ -49,13 +50,13 @@ def backend_from_url(url: str, storage_options: dict[str, Any]) -> GCSBackend:
     try:
         import gcsfs
     except ImportError as exc:
-        raise InvalidInputError(f"{url}: install ckptstore[gcs] to use gs:// URLs ({exc})") from None
+        raise InvalidInputError(f"{redact_url(url)}: install ckptstore[gcs] to use gs:// URLs ({exc})") from None
     if "endpoint_url" not in opts and os.environ.get("STORAGE_EMULATOR_HOST"):
         opts.setdefault("token", "anon")
     try:
         fs = gcsfs.GCSFileSystem(**opts)
     except TypeError as exc:
-        raise InvalidInputError(f"{url}: bad storage_options: {exc}") from None
+        raise InvalidInputError(f"{redact_url(url)}: bad storage_options: {redact_text(str(exc))}") from None
     backend = finish_backend(GCSBackend(fs, root), url, storage_options)
     assert isinstance(backend, GCSBackend)
     return backend

@@ -13,7 +13,20 @@ state against it):
 * New directories are fsynced into their parent before anything is written in
   them, so a durable file never hangs off a lost directory entry.
 
-All system calls go through :class:`PosixOps` so a test can substitute a
+Hostile contents (someone else can write into the store directory): below
+the store root nothing is followed. Every path is resolved from a descriptor
+of the root one component at a time with ``O_NOFOLLOW`` (``openat`` style,
+race-free), so a symbolic link planted in a run's tree is never read through,
+written through, listed into or deleted through — a key whose path crosses a
+link is "not an object" for reads and an error for writes and deletes. Only
+regular files are objects: a FIFO, device, socket or link at a key is skipped
+by listings and refused by reads without being opened for data (``lstat``,
+then ``open(O_NOFOLLOW | O_NONBLOCK)`` and an ``fstat`` check that it is the
+same regular file). Reads never return more than asked. Files are created
+``0o600`` and directories ``0o700`` unless ``file_mode`` / ``dir_mode`` say
+otherwise (``storage_options={"file_mode": 0o640, "dir_mode": 0o750}``).
+
+All system calls go through :class:`~ckptstore.backends.posix.PosixOps` so a test can substitute a
 filesystem that simulates power loss.
 """
 
@@ -23,81 +36,34 @@ import builtins
 import errno
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from ..protocol.layout import RESERVED_MARK as TMP_MARK
 from .base import Backend, Buffer, Capabilities, ObjectInfo, check_key
+from .posix import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, NotAnObjectError, NotFollowedError, PosixOps
 
-
-class PosixOps:
-    """The system calls the local backend uses; replaceable for fault injection."""
-
-    def open_new(self, path: str) -> int:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-
-    def write(self, fd: int, buf: Buffer) -> None:
-        view = memoryview(buf).cast("B")
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-
-    def fsync(self, fd: int) -> None:
-        os.fsync(fd)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
-
-    def rename(self, src: str, dst: str) -> None:
-        os.rename(src, dst)
-
-    def link(self, src: str, dst: str) -> None:
-        os.link(src, dst)
-
-    def unlink(self, path: str) -> None:
-        os.unlink(path)
-
-    def mkdir(self, path: str) -> None:
-        os.mkdir(path)
-
-    def rmdir(self, path: str) -> None:
-        os.rmdir(path)
-
-    def fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        with open(path, "rb") as f:
-            if start:
-                f.seek(start)
-            return f.read() if end is None else f.read(max(0, end - start))
-
-    def stat(self, path: str) -> tuple[int, float]:
-        st = os.stat(path)
-        return st.st_size, st.st_mtime
-
-    def is_dir(self, path: str) -> bool:
-        return os.path.isdir(path)
-
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
-
-    def walk(self, top: str) -> Iterable[tuple[str, list[str], list[str]]]:
-        return os.walk(top)
+__all__ = ["LocalBackend", "NotAnObjectError", "NotFollowedError", "PosixOps", "backend_from_url"]
 
 
 class LocalBackend(Backend):
     capabilities = Capabilities(atomic_create=True, consistent_list=True)
 
-    def __init__(self, root: str | os.PathLike[str], *, ops: PosixOps | None = None, create_root: bool = True) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        ops: PosixOps | None = None,
+        create_root: bool = True,
+        file_mode: int = DEFAULT_FILE_MODE,
+        dir_mode: int = DEFAULT_DIR_MODE,
+    ) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.url = Path(self.root).as_uri()
         self.ops = ops or PosixOps()
+        self.ops.attach(self.root, file_mode=_mode("file_mode", file_mode), dir_mode=_mode("dir_mode", dir_mode))
         if self.ops.exists(self.root) and not self.ops.is_dir(self.root):
             raise InvalidInputError(f"{self.root}: exists and is not a directory")
         if create_root:
@@ -125,7 +91,9 @@ class LocalBackend(Backend):
                 self.ops.mkdir(d)
             except FileExistsError:
                 if not self.ops.is_dir(d):
-                    raise InvalidInputError(f"{d}: exists and is not a directory") from None
+                    if d == self.root or not d.startswith(self.root):
+                        raise InvalidInputError(f"{d}: exists and is not a directory") from None
+                    raise NotFollowedError(errno.ELOOP, "a symbolic link or non-directory is in the way", d) from None
                 continue
             self.ops.fsync_dir(os.path.dirname(d))
 
@@ -152,6 +120,11 @@ class LocalBackend(Backend):
             pass
 
     def _os_error(self, exc: OSError, key: str) -> Exception:
+        if isinstance(exc, NotFollowedError | NotAnObjectError):
+            return StoreUnavailableError(
+                f"{self.root}: refusing to write {key!r}: {exc.strerror} at {self._rel(exc.filename)!r} "
+                "(the local backend never follows links inside the store; remove it by hand)"
+            )
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return StoreUnavailableError(f"{self.root}: no space left while writing {key!r}")
         if isinstance(exc, PermissionError):
@@ -165,6 +138,8 @@ class LocalBackend(Backend):
     def get_range(self, key: str, start: int, end: int | None) -> bytes:
         try:
             return self.ops.read(self._path(key), start, end)
+        except (NotFollowedError, NotAnObjectError) as exc:
+            raise NotFoundError(f"{self.url}/{key}: not an object: {exc.strerror} (never read)") from None
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFoundError(f"{self.url}/{key}: no such object") from None
 
@@ -209,8 +184,8 @@ class LocalBackend(Backend):
                     continue
                 try:
                     size, mtime = self.ops.stat(os.path.join(dirpath, f))
-                except FileNotFoundError:
-                    continue
+                except (FileNotFoundError, NotADirectoryError, NotAnObjectError):
+                    continue  # vanished, or not a regular file: not an object
                 out.append(ObjectInfo(key, size, mtime))
         out.sort(key=lambda o: o.key)
         return out
@@ -218,6 +193,8 @@ class LocalBackend(Backend):
     def size(self, key: str) -> int:
         try:
             return self.ops.stat(self._path(key))[0]
+        except (NotFollowedError, NotAnObjectError) as exc:
+            raise NotFoundError(f"{self.url}/{key}: not an object: {exc.strerror}") from None
         except (FileNotFoundError, NotADirectoryError):
             raise NotFoundError(f"{self.url}/{key}: no such object") from None
 
@@ -227,6 +204,11 @@ class LocalBackend(Backend):
             self.ops.unlink(path)
         except FileNotFoundError:
             return
+        except NotFollowedError as exc:
+            raise StoreUnavailableError(
+                f"{self.root}: refusing to delete {key!r}: {exc.strerror} at {self._rel(exc.filename)!r}; "
+                "nothing outside the store was touched (remove the link by hand)"
+            ) from None
         except OSError as exc:
             raise self._os_error(exc, key) from exc
         # prune now-empty directories up to the root (best effort)
@@ -269,16 +251,53 @@ class LocalBackend(Backend):
             raise InvalidInputError(f"{name!r} is not a temporary file")
         self._unlink_quiet(self._path(name))
 
+    def _rel(self, path: object) -> str:
+        if not isinstance(path, str):
+            return "?"
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
 
-def backend_from_url(url: str, storage_options: dict[str, object]) -> LocalBackend:
-    """``/path``, ``relative/path`` or ``file:///path`` (no storage options)."""
+
+def _mode(name: str, value: object) -> int:
+    """A permission mode from an int or a string like ``"0o640"`` / ``"640"`` (octal)."""
+    if isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be a permission mode such as 0o600")
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        try:
+            value = int(text, 8)
+        except ValueError:
+            raise InvalidInputError(f"{name} must be an octal permission mode such as 0o600") from None
+    if not isinstance(value, int) or not 0 <= value <= 0o777:
+        raise InvalidInputError(f"{name} must be a permission mode between 0o000 and 0o777")
+    return value
+
+
+LOCAL_OPTIONS = ("file_mode", "dir_mode")
+
+
+def local_backend_options(storage_options: Mapping[str, Any] | None) -> dict[str, int]:
+    """The storage options a local store accepts (``file_mode``, ``dir_mode``);
+    an unknown key is refused, naming the key only (never its value)."""
+    out: dict[str, int] = {}
+    for k, v in (storage_options or {}).items():
+        if k not in LOCAL_OPTIONS:
+            raise InvalidInputError(
+                f"storage option {k!r} is not valid for a local directory store (valid: {', '.join(LOCAL_OPTIONS)})"
+            )
+        out[k] = _mode(k, v)
+    return out
+
+
+def backend_from_url(url: str, storage_options: Mapping[str, Any] | None) -> LocalBackend:
+    """``/path``, ``relative/path`` or ``file:///path``; the only storage
+    options are ``file_mode`` and ``dir_mode``."""
     from urllib.parse import urlparse
 
-    if storage_options:
-        raise InvalidInputError(f"the local backend takes no storage options (got: {', '.join(sorted(storage_options))})")
+    opts = local_backend_options(storage_options)
+    modes = {"file_mode": opts.get("file_mode", DEFAULT_FILE_MODE), "dir_mode": opts.get("dir_mode", DEFAULT_DIR_MODE)}
     if "://" not in url:
-        return LocalBackend(url)
+        return LocalBackend(url, file_mode=modes["file_mode"], dir_mode=modes["dir_mode"])
     parsed = urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise InvalidInputError(f"{url}: file URLs must be local (file:///path)")
-    return LocalBackend(parsed.path)
+    return LocalBackend(parsed.path, file_mode=modes["file_mode"], dir_mode=modes["dir_mode"])

@@ -21,6 +21,7 @@ from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidInputError, UnsupportedBackendError
+from ..redact import redact_text, redact_url
 from .base import Buffer
 from .fsspec_base import PART_SIZE, FsspecBackend, error_code, finish_backend, mtime_of, prepare_options, status_of
 
@@ -182,7 +183,7 @@ def backend_from_url(url: str, storage_options: dict[str, Any]) -> S3Backend:
     try:
         import s3fs
     except ImportError as exc:
-        raise InvalidInputError(f"{url}: install ckptstore[s3] to use s3:// URLs ({exc})") from None
+        raise InvalidInputError(f"{redact_url(url)}: install ckptstore[s3] to use s3:// URLs ({exc})") from None
     cfg = dict(opts.pop("config_kwargs", {}) or {})
     cfg.setdefault("connect_timeout", 10)
     cfg.setdefault("read_timeout", 120)
@@ -190,7 +191,7 @@ def backend_from_url(url: str, storage_options: dict[str, Any]) -> S3Backend:
     try:
         fs = s3fs.S3FileSystem(config_kwargs=cfg, **opts)
     except TypeError as exc:
-        raise InvalidInputError(f"{url}: bad storage_options: {exc}") from None
+        raise InvalidInputError(f"{redact_url(url)}: bad storage_options: {redact_text(str(exc))}") from None
     backend = finish_backend(S3Backend(fs, root), url, storage_options)
     assert isinstance(backend, S3Backend)
     return backend

@@ -3,6 +3,11 @@
 ``build_record(store, budget)`` reads the run record, attempts, ledger events
 and saves, and returns a JSON-able dict; ``render_table`` and
 ``render_timeline_svg`` present it. Nothing here writes to the store.
+
+What it trusts (protocol_spec/THREATS.md): the protocol records. Ledger events
+are claims, validated and confirmed against the records by
+:mod:`ckptstore.runs.events`; the ones that fail are listed under
+``rejected_events`` and count for nothing.
 """
 
 from __future__ import annotations
@@ -12,21 +17,41 @@ import time
 from typing import Any
 
 from ..protocol.selection import SaveState
+from ..redact import redact_url
 from ..store import CheckpointStore
 from .budget import Budget, account, compare_costs
+from .events import RejectedEvent, confirm_budget_stop, confirm_finished, validate_events
 
 
 def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: bool = True) -> dict[str, Any]:
     budget = budget or Budget()
     run = store.run_record
     attempts = store.attempts()
-    events = store.events()
+    ledger = validate_events(store.events(), attempts, identity=run.get("identity"))
+    events = ledger.accepted
+    rejected = list(ledger.rejected)
     acc = account(attempts, events, budget)
     sel = store.latest_complete(deep=deep, explain=True)
     saves = store.list_saves(deep=deep)
     latest = sel.latest
-    finished = [e for e in events if e["event"] == "finished"]
-    budget_stops = [e for e in events if e["event"] == "budget-exhausted"]
+    newest_attempt = max((a.number for a in attempts), default=None)
+    # verdict-bearing claims count only when the records bear them out
+    finished: list[dict[str, Any]] = []
+    budget_stops: list[dict[str, Any]] = []
+    latest_key = (latest.step, latest.attempt, latest.manifest_digest) if latest else None
+    for e in events:
+        if e["event"] == "finished":
+            why = confirm_finished(e, newest_attempt=newest_attempt, latest=latest_key, identity=run.get("identity"))
+            keep = finished
+        elif e["event"] == "budget-exhausted":
+            why = confirm_budget_stop(e, acc, budget)
+            keep = budget_stops
+        else:
+            continue
+        if why is None:
+            keep.append(e)
+        else:
+            rejected.append(RejectedEvent(e["event"], e["attempt"], e["at"], why))
     final = finished[-1]["payload"] if finished else None
     reasons: list[str] = []
     if budget_stops and not finished:
@@ -66,7 +91,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
             k: v for k, v in e.get("payload", {}).items() if k in ("step", "seconds", "resumed_from", "save_id")}})
     return {
         "run_id": store.run_id,
-        "store": store.backend.url,
+        "store": redact_url(store.backend.url),
         "identity": run["identity"],
         "lineage": run.get("lineage"),
         "budget": budget.to_json(),
@@ -113,6 +138,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
             "artifact_manifest_digest": latest.manifest_digest if (latest and eligible) else None,
         },
         "timeline": timeline,
+        "rejected_events": [r.to_json() for r in rejected],
     }
 
 
@@ -145,6 +171,12 @@ def render_table(rec: dict[str, Any]) -> str:
     ttf = [a["time_to_first_useful_step_s"] for a in rec["attempts"]]
     row("time to first useful step per attempt", ", ".join("-" if t is None else f"{t:.2f}s" for t in ttf))
     row("budget stopped", rec["budget_stopped"])
+    rejected = rec.get("rejected_events") or []
+    row("ledger events rejected (not counted)", len(rejected))
+    for r in rejected[:20]:
+        lines.append(f"    - {r['event']} (attempt {r['attempt']}): {r['reason']}")
+    if len(rejected) > 20:
+        lines.append(f"    - … and {len(rejected) - 20} more (see --json)")
     p = rec["promotion"]
     row("PROMOTION ELIGIBLE", "yes" if p["eligible"] else "NO")
     for r in p["reasons"]:

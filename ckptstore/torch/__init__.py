@@ -3,28 +3,39 @@
 Importing this module imports torch; the core ``ckptstore`` never does.
 """
 
-from .checkpointer import Checkpointer
+from .checkpointer import EX_TEMPFAIL, Checkpointer, ConfigChangeWarning
 from .codec import flatten, unflatten
-from .sampler import ResumableSampler
+from .loaders import ResumableLoader, WorkerRngState, sample_seed
+from .restore import (
+    ConfigDiff,
+    restore_state,
+)
+from .sampler import ResumableSampler, RngPitfallWarning
 from .state import (
     CheckpointMismatchError,
     capture_rng,
     read_state,
     restore_rng,
-    restore_state,
     save_state,
     torch_environment,
 )
 
 __all__ = [
+    "EX_TEMPFAIL",
     "CheckpointMismatchError",
     "Checkpointer",
+    "ConfigChangeWarning",
+    "ConfigDiff",
+    "ResumableLoader",
     "ResumableSampler",
+    "RngPitfallWarning",
+    "WorkerRngState",
     "capture_rng",
     "flatten",
     "read_state",
     "restore_rng",
     "restore_state",
+    "sample_seed",
     "save_state",
     "torch_environment",
     "unflatten",

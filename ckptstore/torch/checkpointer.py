@@ -21,22 +21,86 @@ waits for it. A background failure is raised at the next ``step_end`` /
 
 A preemption signal (SIGTERM, SIGUSR1) is an extra chance, never the only one:
 periodic saves carry the recovery promise. On a signal the next ``step_end``
-saves synchronously, waits, and exits with status 0 (or returns True with
-``exit_on_preempt=False``).
+saves synchronously, waits, and exits with status ``preempt_exit_code``
+(default 75, ``EX_TEMPFAIL`` from sysexits.h: "temporary failure, retry
+later"), so a supervisor that restarts until success (systemd
+``Restart=on-failure``, Kubernetes ``restartPolicy: OnFailure``, a Slurm
+requeue loop) restarts a preempted run and stops after a finished one (exit
+0). ``exit_on_preempt=False`` returns True instead.
+
+Built: every registered object is validated (saveable without pickle, a
+plain DataLoader refused with the fix). Resume: the saved state is checked
+against every live object before anything is loaded (classes, layouts,
+shapes); hyperparameters that differ from the saved ones are reported and the
+saved ones kept (``on_config_change="keep-saved"``, exact continuation), or
+the configured ones taken and recorded (``"take-new"``), or refused
+(``"refuse"``). A newest save that turns out corrupt while being read falls
+back to the previous complete one (recorded as ``resume-fallback``).
+Retention (``keep_last``, ``keep_every``) runs after each commit.
 """
 
 from __future__ import annotations
 
+import inspect
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
-from ..errors import InvalidInputError
-from ..store import CheckpointStore, SaveRef
-from .state import HostBuffers, collect, restore_state, snapshot, write_snapshot
+import torch
+
+from .. import (
+    CheckpointStore,
+    CorruptionError,
+    InvalidInputError,
+    SaveRef,
+    SaveState,
+)
+from . import retention
+from .codec import flatten
+from .loaders import (
+    ResumableLoader,
+    fix_stateful_dataloader_resume,
+    generator_pitfall,
+    is_stateful_dataloader,
+    live_iterator_problem,
+    plain_loader_problem,
+)
+from .restore import (
+    ConfigDiff,
+    apply_state,
+    check_fit,
+    config_diffs,
+    take_configured,
+)
+from .sampler import ResumableSampler, RngPitfallWarning
+from .state import (
+    RNG_KEY,
+    CheckpointMismatchError,
+    CopyStreams,
+    HostBuffers,
+    SavedState,
+    check_name,
+    collect,
+    describe,
+    has_state,
+    read_save,
+    snapshot,
+    summarize,
+    write_snapshot,
+)
+
+ConfigChoice = Literal["keep-saved", "take-new", "refuse"]
+
+#: the exit status after "saved and exiting on preemption" (sysexits.h EX_TEMPFAIL)
+EX_TEMPFAIL = 75
+
+
+class ConfigChangeWarning(UserWarning):
+    """Configured hyperparameters differ from the saved ones; the saved ones were kept."""
 
 
 class Checkpointer:
@@ -54,6 +118,12 @@ class Checkpointer:
         metadata: Callable[[int], Mapping[str, Any]] | None = None,
         record_events: bool = True,
         model: Any = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        retention_deep: bool = True,
+        preempt_exit_code: int = EX_TEMPFAIL,
+        on_config_change: ConfigChoice = "keep-saved",
+        streams: CopyStreams | None = None,
     ) -> None:
         if store.mode != "w":
             raise InvalidInputError("Checkpointer needs a store opened for writing (with an identity)")
@@ -61,8 +131,24 @@ class Checkpointer:
             raise InvalidInputError("every_steps must be positive")
         if every_seconds is not None and every_seconds <= 0:
             raise InvalidInputError("every_seconds must be positive")
+        retention.validate(keep_last, keep_every)
+        if on_config_change not in ("keep-saved", "take-new", "refuse"):
+            raise InvalidInputError("on_config_change must be 'keep-saved', 'take-new' or 'refuse'")
+        if not 0 <= preempt_exit_code <= 255:
+            raise InvalidInputError("preempt_exit_code must be an exit status (0..255)")
         self.store = store
         self.objects = dict(objects)
+        self._validate_objects()
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.retention_deep = retention_deep
+        self.preempt_exit_code = preempt_exit_code
+        self.on_config_change: ConfigChoice = on_config_change
+        self.streams = streams
+        #: hyperparameters that differed at resume (see on_config_change)
+        self.config_diffs: list[ConfigDiff] = []
+        #: problems retention met (it never stops training; each is also warned and recorded)
+        self.retention_errors: list[str] = []
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.async_save = async_save
@@ -86,6 +172,34 @@ class Checkpointer:
             for s in signals:
                 self._old_handlers[s] = signal.signal(s, self._on_signal)
 
+    def _validate_objects(self) -> None:
+        """Refuse, now rather than at the first due save, what cannot be saved."""
+        for name, obj in self.objects.items():
+            check_name(name)
+            problem = plain_loader_problem(name, obj)
+            if problem:
+                raise InvalidInputError(problem)
+            pitfall = generator_pitfall(name, obj)
+            if pitfall:
+                warnings.warn(pitfall, RngPitfallWarning, stacklevel=3)
+            if is_stateful_dataloader(obj):
+                continue  # its state_dict() would create an iterator (and start workers)
+            try:
+                flatten(obj.state_dict() if has_state(obj) else obj)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"{name}: cannot be saved: {exc}".replace("state[", f"state[{name!r}][", 1)
+                                        ) from None
+            if isinstance(obj, torch.optim.lr_scheduler.LambdaLR) and any(
+                inspect.isfunction(f) for f in obj.lr_lambdas
+            ):
+                warnings.warn(
+                    f"{name}: LambdaLR with a function: its horizon is not in its state, so a changed schedule "
+                    "cannot be detected at resume; prefer a callable object (its attributes are saved) or "
+                    "CosineAnnealingLR / OneCycleLR / SequentialLR",
+                    ConfigChangeWarning,
+                    stacklevel=3,
+                )
+
     # ------------------------------------------------------------ signals
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._preempted.set()
@@ -99,24 +213,97 @@ class Checkpointer:
         self._preempted.set()
 
     # ------------------------------------------------------------ resume
-    def resume(self, *, restore_rng_state: bool = True) -> int:
-        """Restore the save this attempt resumed from; return the next step (0: fresh)."""
+    def resume(self, *, restore_rng_state: bool = True, on_config_change: ConfigChoice | None = None) -> int:
+        """Restore the save this attempt resumed from; return the next step (0: fresh).
+
+        Call it before creating any data iterator. Checks everything before
+        loading anything; see the module docstring for ``on_config_change``."""
         ref = self.store.resumed_from
         if ref is None:
             if self.record_events:
                 self.store.record_event("start", {"resumed_from": None})
             return 0
-        saved = restore_state(self.store, ref, self.objects, restore_rng_state=restore_rng_state)
+        choice = on_config_change or self.on_config_change
+        for name, obj in self.objects.items():
+            problem = live_iterator_problem(name, obj)
+            if problem:
+                raise InvalidInputError(problem)
+        saved, ref = self._read_with_fallback(ref)
+        check_fit(self.objects, saved, ref)
+        diffs = config_diffs(self.objects, saved.trees)
+        if diffs and choice == "refuse":
+            raise CheckpointMismatchError(summarize(
+                f"step {ref.step}: configured hyperparameters differ from the saved ones", [d.describe() for d in diffs]
+            ))
+        apply_state(self.objects, saved.trees, restore_rng_state=restore_rng_state)
+        self.config_diffs = diffs
+        if diffs:
+            payload = {"step": ref.step, "choice": choice, "differences": [d.to_json() for d in diffs]}
+            if choice == "take-new":
+                take_configured(self.objects, diffs)
+                self.store.record_event("config-change", payload)
+            else:
+                self.store.record_event("config-differs", payload)
+                warnings.warn(
+                    summarize(
+                        f"resuming step {ref.step}: configured hyperparameters differ from the saved ones; the saved "
+                        "ones are kept (exact continuation). Pass on_config_change='take-new' to change the "
+                        "experiment (recorded), or 'refuse'",
+                        [d.describe() for d in diffs],
+                    ),
+                    ConfigChangeWarning,
+                    stacklevel=2,
+                )
         self._last_scheduled_step = ref.step
-        grads = saved.get("grads")
+        grads = saved.trees.get("grads")
         if grads and self.model is not None:
             for n, p in self.model.named_parameters():
                 if n in grads:
                     p.grad = grads[n].to(p.device).clone()
         self._last_saved_step = ref.step
+        self._arm_loaders(saved, restore_rng_state)
         if self.record_events:
             self.store.record_event("resume", {"resumed_from": ref.step, "save_id": ref.save_id})
         return ref.step + 1
+
+    def _arm_loaders(self, saved: SavedState, restore_rng_state: bool) -> None:
+        global_rng = torch.get_rng_state() if restore_rng_state else None
+        gens = saved.trees.get(RNG_KEY, {}).get("generators", {}) if restore_rng_state else {}
+        for name, obj in self.objects.items():
+            if isinstance(obj, (ResumableSampler, ResumableLoader)) and global_rng is not None:
+                obj.arm_after_resume(global_rng)
+            elif is_stateful_dataloader(obj):
+                fix_stateful_dataloader_resume(obj, dict(gens.get(name, {})), global_rng)
+
+    def _read_with_fallback(self, ref: SaveRef) -> tuple[SavedState, SaveRef]:
+        """Read the resume point; if its bytes turn out corrupt (possible with
+        ``resume_verify="cheap"``, which checks sizes only), fall back to the
+        newest older complete save that reads back intact, register an attempt
+        that resumes from it (so the corrupt save leaves the run's history) and
+        record why. Nothing has been applied when this returns."""
+        try:
+            return read_save(self.store, ref), ref
+        except CorruptionError as exc:
+            failures = [f"step {ref.step} ({ref.save_id}): {exc}"]
+        candidates = [
+            i.ref for i in self.store.list_saves()
+            if i.state is SaveState.COMMITTED and i.ref is not None and (i.step, i.attempt) < (ref.step, ref.attempt)
+        ]
+        for cand in candidates:
+            try:
+                saved = read_save(self.store, cand)
+            except CorruptionError as exc:
+                failures.append(f"step {cand.step} ({cand.save_id}): {exc}")
+                continue
+            self.store.fall_back(cand, failures)  # a new attempt: the corrupt save leaves the run's history
+            warnings.warn(summarize(
+                f"resume point step {ref.step} is corrupt; resuming from step {cand.step} instead "
+                f"(attempt {self.store.attempt.number if self.store.attempt else '?'} registered)",
+                failures), RuntimeWarning, stacklevel=3)
+            return saved, cand
+        raise CorruptionError(summarize(
+            f"run {self.store.run_id!r}: no complete save could be read back intact", failures
+        ))
 
     # ------------------------------------------------------------ saving
     def _raise_background(self) -> None:
@@ -167,11 +354,13 @@ class Checkpointer:
         self._last_scheduled_step = step
         objects = dict(self.objects)
         state = collect(objects)
+        meta = describe(objects)
         if include_grads:
             if self.model is None:
                 raise InvalidInputError("include_grads needs a model among the objects")
             state["grads"] = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
-        snap = snapshot(state, self._buffers if not blocking else None)
+        snap = snapshot(state, self._buffers if not blocking else None, streams=self.streams)
+        snap.objects = meta
         md = dict(self.metadata(step)) if self.metadata else {}
         md.update({"accumulating": accumulating})
         if blocking:
@@ -192,7 +381,23 @@ class Checkpointer:
         self.saves.append(info)
         if self.record_events:
             self.store.record_event("save", info)
+        if self.keep_last is not None:
+            self._retain()
         return ref
+
+    def _retain(self) -> None:
+        """Retention after a commit, with gc's safety rules (the newest complete
+        save is never deleted; in-flight and corrupt saves are kept). A failure
+        never stops training: it is warned, recorded and kept in ``retention_errors``."""
+        assert self.keep_last is not None
+        try:
+            self.store.gc(keep_last=self.keep_last, keep_every=self.keep_every, deep=self.retention_deep)
+        except Exception as exc:  # noqa: BLE001 - the save is committed; retention must not fail it
+            msg = f"retention after a save failed: {type(exc).__name__}: {exc}"
+            self.retention_errors.append(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            if self.record_events:
+                self.store.record_event("retention-failed", {"error": msg[:500]})
 
     def step_end(self, step: int, **save_kw: Any) -> bool:
         """Call after each optimizer step. Saves when due; on preemption saves
@@ -206,7 +411,7 @@ class Checkpointer:
                 self.store.record_event("preempted", {"step": step})
             self.close()
             if self.exit_on_preempt:
-                raise SystemExit(0)
+                raise SystemExit(self.preempt_exit_code)
             return True
         if self.due(step):
             self.save(step, **save_kw)
@@ -235,7 +440,7 @@ class Checkpointer:
                     pass
             self._old_handlers.clear()
 
-    def __enter__(self) -> Checkpointer:
+    def __enter__(self) -> Checkpointer:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:

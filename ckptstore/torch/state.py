@@ -12,18 +12,34 @@ an inventory) and one ``<name>.safetensors`` per entry that holds tensors.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from ..errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError
-from ..store import CheckpointStore, SaveRef
-from .codec import Flattened, flatten, load_safetensors, safetensors_stream, tree_from_json, tree_to_json, unflatten
+from .. import (
+    CheckpointStore,
+    CkptStoreError,
+    CorruptionError,
+    InvalidInputError,
+    NotFoundError,
+    SaveRef,
+)
+from .codec import (
+    Flattened,
+    flatten,
+    load_safetensors,
+    safetensors_stream,
+    tree_from_json,
+    tree_to_json,
+    unflatten,
+)
+from .loaders import is_stateful_dataloader, loader_generators
 
 FORMAT = "ckptstore.torch/1"
 STATE_COMPONENT = "state.json"
@@ -32,7 +48,15 @@ RNG_KEY = "rng"
 
 class CheckpointMismatchError(CkptStoreError):
     """A save does not fit the objects it is loaded into (other model shape,
-    dtype, missing optimizer state, ...). Nothing was loaded."""
+    dtype, missing optimizer state, another optimizer class, ...). Nothing was loaded."""
+
+
+def summarize(head: str, problems: Sequence[str], *, limit: int = 5) -> str:
+    """``head`` and the first ``limit`` problems, one per line, then a count."""
+    shown = [p if len(p) <= 160 else p[:157] + "..." for p in problems[:limit]]
+    more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
+    n = len(problems)
+    return f"{head} ({n} difference{'s' if n != 1 else ''}):\n  - " + "\n  - ".join(shown) + more
 
 
 def has_state(obj: Any) -> bool:
@@ -56,7 +80,7 @@ def torch_environment() -> dict[str, Any]:
 def capture_rng() -> dict[str, Any]:
     """Python ``random``, NumPy's global generator, torch CPU and every CUDA device."""
     out: dict[str, Any] = {
-        "python": random.getstate(),
+        "python": random.getstate(),  # (version, 625 ints, gauss): JSON-able
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
@@ -72,8 +96,21 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointMismatchError(f"saved RNG state cannot be restored: {exc}") from None
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, OverflowError) as exc:
+        raise CheckpointMismatchError(f"saved RNG state cannot be restored: {str(exc)[:200]}") from None
+
+
+def check_rng(state: Any) -> None:
+    """Restore into scratch generators: a malformed RNG entry is refused before anything is loaded."""
+    try:
+        random.Random().setstate(_tuples(state["python"]))
+        np.random.RandomState().set_state(state["numpy"])
+        torch.Generator().set_state(state["torch"])
+        for gens in state.get("generators", {}).values():
+            for g in gens.values():
+                torch.Generator().set_state(g)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, OverflowError, AttributeError) as exc:
+        raise CheckpointMismatchError(f"saved RNG state cannot be restored: {str(exc)[:200]}") from None
 
 
 def _tuples(x: Any) -> Any:
@@ -85,18 +122,66 @@ def _tuples(x: Any) -> Any:
 # ------------------------------------------------------------------ capture
 
 
+def type_name(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def describe(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """What a save records about each object beside its state: the class
+    (checked at restore for optimizers, schedulers, scalers, loaders) and an
+    optimizer's parameter-group layout (parameter shapes per group)."""
+    out: dict[str, Any] = {}
+    for name, obj in objects.items():
+        d: dict[str, Any] = {"type": type_name(obj)}
+        if isinstance(obj, torch.optim.Optimizer):
+            d["layout"] = [[list(p.shape) for p in g["params"]] for g in obj.param_groups]
+        out[name] = d
+    return out
+
+
 def collect(objects: Mapping[str, Any], *, include_rng: bool = True) -> dict[str, Any]:
     """The state trees of every object (``state_dict()`` where it has one)."""
     out: dict[str, Any] = {}
+    gens: dict[str, dict[str, torch.Tensor]] = {}
     for name, obj in objects.items():
-        if not isinstance(name, str) or not name or "/" in name or name.startswith((".", "-")):
-            raise InvalidInputError(f"state entry name {name!r} must be a simple non-empty string")
-        if name == RNG_KEY and include_rng:
-            raise InvalidInputError(f"state entry name {RNG_KEY!r} is reserved for the RNG states")
+        check_name(name, include_rng=include_rng)
         out[name] = obj.state_dict() if has_state(obj) else obj
+        if is_stateful_dataloader(obj):
+            g = {k: v.get_state() for k, v in loader_generators(obj).items()}
+            if g:
+                gens[name] = g
     if include_rng:
         out[RNG_KEY] = capture_rng()
+        if gens:
+            out[RNG_KEY]["generators"] = gens
     return out
+
+
+def check_name(name: Any, *, include_rng: bool = True) -> None:
+    if not isinstance(name, str) or not name or "/" in name or name.startswith((".", "-")):
+        raise InvalidInputError(f"state entry name {name!r} must be a simple non-empty string")
+    if name == RNG_KEY and include_rng:
+        raise InvalidInputError(f"state entry name {RNG_KEY!r} is reserved for the RNG states")
+
+
+class CopyStreams(Protocol):
+    """The stream operations an asynchronous snapshot needs (CUDA, or a fake in tests)."""
+
+    def current(self) -> Any: ...
+    def new(self) -> Any: ...
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class CudaStreams:
+    def current(self) -> Any:
+        return torch.cuda.current_stream()
+
+    def new(self) -> Any:
+        return torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
 
 
 @dataclass
@@ -106,6 +191,15 @@ class Snapshot:
     trees: dict[str, Any]
     tensors: dict[str, dict[str, torch.Tensor]]
     nbytes: int
+    #: blocks until every device-to-host copy of the snapshot has finished
+    ready: Callable[[], None] | None = None
+    #: :func:`describe` of the objects
+    objects: dict[str, Any] = field(default_factory=dict)
+
+    def wait_ready(self) -> None:
+        if self.ready is not None:
+            self.ready()
+            self.ready = None
 
 
 class HostBuffers:
@@ -128,18 +222,33 @@ class HostBuffers:
         return buf
 
 
-def snapshot(state: Mapping[str, Any], buffers: HostBuffers | None = None) -> Snapshot:
+def snapshot(
+    state: Mapping[str, Any], buffers: HostBuffers | None = None, *, streams: CopyStreams | None = None
+) -> Snapshot:
     """Flatten every entry. With ``buffers`` every tensor is copied into a reused
     host buffer (so training may continue while the copy is written);
     without, CPU contiguous tensors are referenced as they are (zero copy, for
-    synchronous saves)."""
+    synchronous saves).
+
+    Device copies are ordered by construction: the copy stream first waits for
+    the current (training) stream, so it copies the values after the step that
+    was just queued (an async save right after ``optimizer.step()`` captures
+    the update); the training stream then waits for the copy stream, so the
+    next step's in-place updates cannot overwrite a tensor being copied; and
+    :meth:`Snapshot.wait_ready` (called by the writer before any byte is
+    written) waits for the copies to land in host memory.
+    """
     trees: dict[str, Any] = {}
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     nbytes = 0
-    stream = None
-    if buffers is not None and torch.cuda.is_available():
-        stream = torch.cuda.Stream()
-    ctx = torch.cuda.stream(stream) if stream is not None else _null()
+    if streams is None and buffers is not None and torch.cuda.is_available():
+        streams = CudaStreams()
+    side = cur = None
+    ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if streams is not None and buffers is not None:
+        cur, side = streams.current(), streams.new()
+        side.wait_stream(cur)
+        ctx = streams.use(side)
     with ctx:
         for name, tree in state.items():
             try:
@@ -158,17 +267,12 @@ def snapshot(state: Mapping[str, Any], buffers: HostBuffers | None = None) -> Sn
             trees[name] = fl.tree
             if ts:
                 tensors[name] = ts
-    if stream is not None:
-        stream.synchronize()
-    return Snapshot(trees, tensors, nbytes)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
+    ready = None
+    if side is not None and cur is not None:
+        cur.wait_stream(side)
+        event = side.record_event()
+        ready = event.synchronize
+    return Snapshot(trees, tensors, nbytes, ready)
 
 
 # ------------------------------------------------------------------ save
@@ -184,12 +288,14 @@ def write_snapshot(
         "step": step,
         "trees": snap.trees,
         "tensor_components": components,
+        "objects": snap.objects,
         "torch": torch.__version__,
     }
     try:
         doc_bytes = tree_to_json(doc)
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"training state cannot be encoded as JSON: {exc}") from None
+    snap.wait_ready()  # device copies landed before any byte is written
     expect = [STATE_COMPONENT, *components.values()]
     with store.save(step, metadata={**dict(metadata or {}), "format": FORMAT}, expect=expect) as s:
         for name, comp in sorted(components.items()):
@@ -204,108 +310,51 @@ def save_state(
     store: CheckpointStore, step: int, objects: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None
 ) -> SaveRef:
     """Synchronously save every object's state (plus RNG) as step ``step``."""
-    return write_snapshot(store, step, snapshot(collect(objects)), metadata=metadata)
+    snap = snapshot(collect(objects))
+    snap.objects = describe(objects)
+    return write_snapshot(store, step, snap, metadata=metadata)
 
 
 # ------------------------------------------------------------------ load
 
 
-def read_state(store: CheckpointStore, ref: SaveRef) -> dict[str, Any]:
-    """Every entry's state tree, tensors included, verified while reading."""
+@dataclass
+class SavedState:
+    trees: dict[str, Any]
+    #: per entry: {"type": ..., "layout": ...} (empty for saves made before it was recorded)
+    objects: dict[str, Any]
+
+
+def read_save(store: CheckpointStore, ref: SaveRef) -> SavedState:
+    """Read and decode a save; every byte verified while reading, every record
+    field checked. Hostile or damaged content is a :class:`CorruptionError`."""
     try:
         doc = tree_from_json(store.read(ref, STATE_COMPONENT))
     except NotFoundError:
         raise CheckpointMismatchError(
             f"save {ref.save_id} (step {ref.step}) is not a ckptstore.torch save (no {STATE_COMPONENT})"
         ) from None
-    except ValueError as exc:
-        raise CorruptionError(f"save {ref.save_id}: {STATE_COMPONENT} is not valid JSON: {exc}") from None
+    where = f"save {ref.save_id} (step {ref.step})"
+    if not isinstance(doc, dict):
+        raise CorruptionError(f"{where}: {STATE_COMPONENT} is not an object")
     if doc.get("format") != FORMAT:
-        raise CheckpointMismatchError(f"save {ref.save_id}: unknown format {doc.get('format')!r}")
+        raise CheckpointMismatchError(f"{where}: unknown format {doc.get('format')!r}")
+    if type(doc.get("step")) is not int or doc["step"] != ref.step:
+        raise CorruptionError(f"{where}: the state says step {doc.get('step')!r}, its commit says step {ref.step}")
+    trees, comps, objs = doc.get("trees"), doc.get("tensor_components"), doc.get("objects", {})
+    if not isinstance(trees, dict) or not isinstance(comps, dict) or not isinstance(objs, dict):
+        raise CorruptionError(f"{where}: {STATE_COMPONENT} lacks its trees / tensor_components / objects tables")
+    for name, comp in comps.items():
+        if name not in trees or comp != f"{name}.safetensors":
+            raise CorruptionError(f"{where}: tensor component {comp!r} of entry {name!r} is not a valid reference")
     out = {}
-    for name, tree in doc["trees"].items():
-        comp = doc["tensor_components"].get(name)
+    for name, tree in trees.items():
+        comp = comps.get(name)
         tensors = load_safetensors(store.read(ref, comp)) if comp else {}
         out[name] = unflatten(tree, tensors)
-    return out
+    return SavedState(out, objs)
 
 
-def _check_module(name: str, module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
-    want = module.state_dict()
-    problems = []
-    missing = sorted(set(want) - set(saved))
-    extra = sorted(set(saved) - set(want))
-    if missing:
-        problems.append(f"missing keys {missing[:8]}{'…' if len(missing) > 8 else ''}")
-    if extra:
-        problems.append(f"unexpected keys {extra[:8]}{'…' if len(extra) > 8 else ''}")
-    for k in sorted(set(want) & set(saved)):
-        a, b = want[k], saved[k]
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if a.shape != b.shape:
-                problems.append(f"{k}: shape {tuple(b.shape)} saved, {tuple(a.shape)} expected")
-            elif a.dtype != b.dtype:
-                problems.append(f"{k}: dtype {b.dtype} saved, {a.dtype} expected")
-    if problems:
-        raise CheckpointMismatchError(f"{name}: the save does not fit this model: " + "; ".join(problems))
-
-
-def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
-    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
-    if not isinstance(groups, list):
-        raise CheckpointMismatchError(f"{name}: saved optimizer state has no param_groups")
-    mine = opt.state_dict()["param_groups"]
-    if len(groups) != len(mine) or any(len(g["params"]) != len(m["params"]) for g, m in zip(groups, mine)):
-        raise CheckpointMismatchError(
-            f"{name}: saved optimizer has {[len(g['params']) for g in groups]} parameters per group, "
-            f"this one has {[len(m['params']) for m in mine]}"
-        )
-    params = [p for g in opt.param_groups for p in g["params"]]
-    state = saved.get("state", {})
-    for idx, st in state.items():
-        if not isinstance(idx, int) or idx >= len(params):
-            raise CheckpointMismatchError(f"{name}: saved optimizer state names parameter {idx!r}, which does not exist")
-        for k, v in st.items() if isinstance(st, Mapping) else []:
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != params[idx].shape:
-                raise CheckpointMismatchError(
-                    f"{name}: optimizer state {k!r} of parameter {idx} has shape {tuple(v.shape)}, "
-                    f"the parameter has {tuple(params[idx].shape)}"
-                )
-
-
-def restore_state(
-    store: CheckpointStore,
-    ref: SaveRef,
-    objects: Mapping[str, Any],
-    *,
-    restore_rng_state: bool = True,
-) -> dict[str, Any]:
-    """Load a save into ``objects``: every object with ``load_state_dict`` gets
-    its saved state; every name must be present in the save (a missing
-    optimizer or scheduler is an error, not a silent fresh start). Everything
-    is checked before anything is loaded. Returns every saved tree (plain
-    entries such as counters included)."""
-    saved = read_state(store, ref)
-    missing = [n for n in objects if n not in saved]
-    if missing:
-        raise CheckpointMismatchError(
-            f"save {ref.save_id} (step {ref.step}) has no state for {missing}; it has {sorted(saved)}. "
-            "Refusing a partial load: start a new run if the state is meant to be fresh."
-        )
-    for name, obj in objects.items():
-        if isinstance(obj, torch.nn.Module):
-            _check_module(name, obj, saved[name])
-        elif isinstance(obj, torch.optim.Optimizer):
-            _check_optimizer(name, obj, saved[name])
-    for name, obj in objects.items():
-        if has_state(obj):
-            try:
-                if isinstance(obj, torch.nn.Module):
-                    obj.load_state_dict(saved[name], strict=True)
-                else:
-                    obj.load_state_dict(saved[name])
-            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointMismatchError(f"{name}: load_state_dict refused the saved state: {exc}") from None
-    if restore_rng_state and RNG_KEY in saved:
-        restore_rng(saved[RNG_KEY])
-    return saved
+def read_state(store: CheckpointStore, ref: SaveRef) -> dict[str, Any]:
+    """Every entry's state tree, tensors included, verified while reading."""
+    return read_save(store, ref).trees

@@ -32,8 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...redact import redact_text, redact_url
 from ...store import CheckpointStore
+from ...terminal import escape_lines, sanitize
 from ..budget import Budget, account, young_daly_interval
+from ..events import validate_events
 from ..report import build_record, render_table, render_timeline_svg
 from .proc import ProcResult, run_trainer, trainer_cmd
 
@@ -55,9 +58,9 @@ class DrillConfig:
 
 
 class Drill:
-    def __init__(self, cfg: DrillConfig, log: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: DrillConfig, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
-        self.log = log
+        self.log = log or _terminal_log
         self.url = cfg.store or tempfile.mkdtemp(prefix="ckptstore-drill-")
         self.out = Path(cfg.out_dir)
         self.checks: list[tuple[str, bool, str]] = []
@@ -74,13 +77,12 @@ class Drill:
             "--budget-gpu-hours", str(budget or self.cfg.budget_gpu_hours),
             "--gpu-hours-per-step", str(self.cfg.gpu_hours_per_step),
             "--restart-gpu-hours", str(self.cfg.restart_gpu_hours),
-            *(["--storage-options-json", json.dumps(self.cfg.storage_options)] if self.cfg.storage_options else []),
             *extra,
         ]
 
     def run(self, run_id: str, *extra: str, kill_on: str | None = None, delay: float = 0.0, **kw: Any) -> ProcResult:
         return run_trainer(trainer_cmd(self.url, run_id, *self._args(*extra, **kw)), kill_on=kill_on, delay=delay,
-                           echo=self.cfg.verbose)
+                           echo=self.cfg.verbose, storage_options=self.cfg.storage_options or None)
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         self.checks.append((name, ok, detail))
@@ -103,7 +105,7 @@ class Drill:
         import ckptstore
 
         code = digest_tree(os.path.dirname(ckptstore.__file__))
-        self.log(f"    store            {self.url}")
+        self.log(f"    store            {redact_url(self.url)}")
         self.log(f"    data snapshot    {snap.data_digest}  ({len(snap.labels)} receipts, "
                  f"{len(snap.train_idx)} train / {len(snap.eval_idx)} eval, split {snap.split_digest})")
         self.log(f"    feature contract {snap.feature_contract} ({snap.features.shape[1]} features)")
@@ -288,14 +290,16 @@ class Drill:
                                                                   "interruptions", "wasted_steps")},
             "elapsed_s": round(time.monotonic() - self.t0, 1),
         }
-        clean_acc = account(self.reader("receipts-clean").attempts(),
-                            self.reader("receipts-clean").events(), self.budget)
+        clean = self.reader("receipts-clean")
+        clean_attempts = clean.attempts()
+        clean_events = validate_events(clean.events(), clean_attempts, identity=clean.run_record.get("identity"))
+        clean_acc = account(clean_attempts, clean_events.accepted, self.budget)
         rec["drill"]["clean_spent_gpu_hours"] = clean_acc.spent_gpu_hours
         (self.out / "record.json").write_text(json.dumps(rec, indent=2, sort_keys=True, default=str))
         (self.out / "timeline.svg").write_text(render_timeline_svg(rec))
         (self.out / "budget-record.json").write_text(json.dumps(self.budget_record, indent=2, sort_keys=True))
         (self.out / "budget-timeline.svg").write_text(render_timeline_svg(self.budget_record))
-        table = render_table(rec)
+        table = render_table(sanitize(rec))
         (self.out / "record.txt").write_text(table + "\n")
         self.log(table)
         self.log(f"    elapsed spend: clean run {clean_acc.spent_gpu_hours:.2f} GPU-h, "
@@ -317,8 +321,14 @@ class Drill:
                  f"{len(self.checks)} checks in {time.monotonic() - self.t0:.0f} s; "
                  f"promotion eligible: {rec['promotion']['eligible']}")
         self.log(f"record: {self.out / 'record.json'}, {self.out / 'record.txt'}, timeline: {self.out / 'timeline.svg'}")
-        self.log(f"again from the store alone: ckptstore report {self.url} receipts")
+        self.log(f"again from the store alone: ckptstore report {redact_url(self.url)} receipts")
         return 0 if not failed else 1
+
+
+def _terminal_log(text: str) -> None:
+    """The drill's console: store-derived text (child processes' refusals, skip
+    details) is escaped and redacted before it reaches the terminal."""
+    print(redact_text(escape_lines(text)), flush=True)
 
 
 def run_drill(cfg: DrillConfig) -> int:

@@ -38,6 +38,7 @@ from ...store import CheckpointStore
 from ...torch import Checkpointer, ResumableSampler, torch_environment
 from ..budget import Budget, account
 from ..decision import Action, plan_resume
+from ..events import validate_events
 from .data import CLASSES, Snapshot, make_snapshot
 
 
@@ -170,7 +171,10 @@ def spent_so_far(url: Any, run_id: str, budget: Budget, storage_options: dict[st
         st = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options)
     except NotFoundError:
         return 0.0
-    acc = account(st.attempts(), st.events(), budget)
+    attempts = st.attempts()
+    # only well-formed events consistent with the records count (a forged or malformed one never stops a run)
+    ledger = validate_events(st.events(), attempts, identity=st.run_record.get("identity"))
+    acc = account(attempts, ledger.accepted, budget)
     # a restart about to happen costs its start-up too
     return acc.spent_gpu_hours + (budget.restart_gpu_hours if acc.attempts else 0.0)
 
@@ -336,8 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-gpu-hours", type=float, default=0.25)
     ap.add_argument("--progress-every", type=int, default=1)
     ap.add_argument("--slow-mid-component", type=float, default=0.0, help="test hook: stall inside a component write")
-    ap.add_argument("--storage-options-json", default="", help="fsspec storage options for s3:// and gs:// stores")
+    ap.add_argument("--storage-options-fd", type=int, default=None,
+                    help="read the storage options (JSON) from this inherited descriptor; "
+                         "they never go on the command line, where ps shows them")
     a = ap.parse_args(argv)
+    storage_options = None
+    if a.storage_options_fd is not None:
+        from .proc import read_options_fd
+
+        storage_options = read_options_fd(a.storage_options_fd)
     cfg = TrainConfig(steps=a.steps, save_every=a.save_every, async_save=not a.sync, seed=a.seed)
     try:
         train(
@@ -353,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             budget=Budget(a.budget_gpu_hours, a.gpu_hours_per_step, a.restart_gpu_hours),
             progress_every=a.progress_every,
             slow_mid_component=a.slow_mid_component,
-            storage_options=json.loads(a.storage_options_json) if a.storage_options_json else None,
+            storage_options=storage_options,
         )
     except BudgetStop:
         return 4

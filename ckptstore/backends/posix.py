@@ -1,0 +1,269 @@
+"""The system calls of the local backend, resolved without following links.
+
+:class:`PosixOps` is what :class:`~ckptstore.backends.local.LocalBackend`
+calls for every file-system operation (the power-loss tests substitute a
+simulated file system). Below the store root nothing is followed: see the
+class docstring and protocol_spec/THREATS.md §3.1.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from .base import Buffer
+
+
+class NotFollowedError(NotADirectoryError):
+    """A path below the store root runs through a symbolic link (or a
+    non-directory where a directory belongs). The local backend never follows
+    one: the key does not name an object inside the store."""
+
+
+class NotAnObjectError(OSError):
+    """The entry at a key is not a regular file (a symbolic link, FIFO, device
+    or socket). It is never opened for reading nor reported as an object."""
+
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRFLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
+DEFAULT_FILE_MODE = 0o600
+DEFAULT_DIR_MODE = 0o700
+
+
+class PosixOps:
+    """The system calls the local backend uses; replaceable for fault injection.
+
+    Paths *below* the attached root are resolved component by component from a
+    descriptor of the root (``openat`` style, ``O_NOFOLLOW`` on every step), so
+    a symbolic link planted anywhere inside the store is never followed — not
+    by a read, a write, a listing or a delete — and no path can leave the root.
+    The root itself (and anything above it) is the operator's configuration and
+    is opened as given. Only regular files are objects: a FIFO, device, socket
+    or link at a key raises :class:`NotAnObjectError` and is never read.
+    New files get ``file_mode`` and directories ``dir_mode`` (the umask still
+    applies; it can only remove permissions).
+    """
+
+    root_anchor: str | None = None
+    file_mode: int = DEFAULT_FILE_MODE
+    dir_mode: int = DEFAULT_DIR_MODE
+
+    def attach(self, root: str, *, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE) -> None:
+        """Bind to the store root: below it nothing is followed."""
+        self.root_anchor = os.path.abspath(root)
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
+
+    # -- no-follow path resolution -----------------------------------------
+    def _below(self, path: str) -> list[str] | None:
+        """The components of ``path`` below the root, or None for the root
+        itself and paths outside it (trusted configuration, opened as given)."""
+        anchor = self.root_anchor
+        if anchor is None:
+            return None
+        path = os.path.abspath(path)
+        if path == anchor or not path.startswith(anchor.rstrip(os.sep) + os.sep):
+            return None
+        return path[len(anchor.rstrip(os.sep)) + 1 :].split(os.sep)
+
+    def _open_dir(self, parts: Sequence[str], path: str) -> int:
+        """A descriptor of root/parts[0]/…, no link followed on the way."""
+        assert self.root_anchor is not None
+        fd = os.open(self.root_anchor, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+        try:
+            for part in parts:
+                if part in ("", ".", ".."):
+                    raise NotFollowedError(errno.EINVAL, "path component not allowed below the store root", path)
+                try:
+                    nxt = os.open(part, _DIRFLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                        raise NotFollowedError(
+                            errno.ELOOP, f"{part!r} is a symbolic link or not a directory; not followed", path
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextmanager
+    def _parent(self, path: str) -> Iterator[tuple[int, str]]:
+        """(descriptor of the parent directory, final name) for a path below the root."""
+        parts = self._below(path)
+        assert parts is not None
+        fd = self._open_dir(parts[:-1], path)
+        try:
+            yield fd, parts[-1]
+        finally:
+            os.close(fd)
+
+    def _lstat(self, path: str) -> os.stat_result:
+        if self._below(path) is None:
+            return os.lstat(path)
+        with self._parent(path) as (d, name):
+            return os.stat(name, dir_fd=d, follow_symlinks=False)
+
+    # -- mutating ----------------------------------------------------------
+    def open_new(self, path: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+        if self._below(path) is None:
+            return os.open(path, flags, self.file_mode)
+        with self._parent(path) as (d, name):
+            return os.open(name, flags, self.file_mode, dir_fd=d)
+
+    def write(self, fd: int, buf: Buffer) -> None:
+        view = memoryview(buf).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        with self._parent(src) as (sd, sn), self._parent(dst) as (dd, dn):
+            os.rename(sn, dn, src_dir_fd=sd, dst_dir_fd=dd)
+
+    def link(self, src: str, dst: str) -> None:
+        with self._parent(src) as (sd, sn), self._parent(dst) as (dd, dn):
+            os.link(sn, dn, src_dir_fd=sd, dst_dir_fd=dd, follow_symlinks=False)
+
+    def unlink(self, path: str) -> None:
+        """Removes the entry itself (a link, never its target)."""
+        with self._parent(path) as (d, name):
+            os.unlink(name, dir_fd=d)
+
+    def mkdir(self, path: str) -> None:
+        if self._below(path) is None:
+            os.mkdir(path, self.dir_mode)
+            return
+        with self._parent(path) as (d, name):
+            os.mkdir(name, self.dir_mode, dir_fd=d)
+
+    def rmdir(self, path: str) -> None:
+        with self._parent(path) as (d, name):
+            os.rmdir(name, dir_fd=d)
+
+    def fsync_dir(self, path: str) -> None:
+        parts = self._below(path)
+        if parts is None:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+        else:
+            fd = self._open_dir(parts, path)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- reading -----------------------------------------------------------
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes [start, end) of a regular file (to its size at open when
+        ``end`` is None); never more than asked, never from a non-file."""
+        with self._parent(path) as (d, name):
+            before = os.stat(name, dir_fd=d, follow_symlinks=False)
+            if not stat.S_ISREG(before.st_mode):
+                raise NotAnObjectError(errno.EINVAL, f"not a regular file ({_kind(before.st_mode)})", path)
+            # O_NONBLOCK: should the entry be swapped for a FIFO after the check, opening it never hangs
+            try:
+                fd = os.open(name, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC, dir_fd=d)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise NotAnObjectError(errno.ELOOP, "not a regular file (symbolic link)", path) from None
+                raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                raise NotAnObjectError(errno.EINVAL, f"not a regular file ({_kind(st.st_mode)})", path)
+            stop = st.st_size if end is None else end
+            want = max(0, stop - max(0, start))
+            out = bytearray()
+            off = max(0, start)
+            while len(out) < want:
+                chunk = os.pread(fd, min(want - len(out), 1 << 24), off)
+                if not chunk:
+                    break
+                out += chunk
+                off += len(chunk)
+            return bytes(out)
+        finally:
+            os.close(fd)
+
+    def stat(self, path: str) -> tuple[int, float]:
+        """(size, mtime) of a regular file; anything else is :class:`NotAnObjectError`."""
+        st = self._lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAnObjectError(errno.EINVAL, f"not a regular file ({_kind(st.st_mode)})", path)
+        return st.st_size, st.st_mtime
+
+    def is_dir(self, path: str) -> bool:
+        """A real directory (a link to one is not)."""
+        if self._below(path) is None:
+            return os.path.isdir(path)
+        try:
+            return stat.S_ISDIR(self._lstat(path).st_mode)
+        except OSError:
+            return False
+
+    def exists(self, path: str) -> bool:
+        if self._below(path) is None:
+            return os.path.exists(path)
+        try:
+            self._lstat(path)
+        except OSError:
+            return False
+        return True
+
+    def walk(self, top: str) -> Iterable[tuple[str, list[str], list[str]]]:
+        """Like ``os.walk``, but: only real directories are entered (links to
+        directories are not), and only regular files are reported."""
+        parts = self._below(top)
+        try:
+            if parts is None:
+                fd = os.open(top, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+            else:
+                fd = self._open_dir(parts, top)
+        except OSError:
+            return
+        yield from self._walk_fd(fd, os.path.abspath(top))
+
+    def _walk_fd(self, fd: int, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        try:
+            dirs: list[str] = []
+            files: list[str] = []
+            with os.scandir(fd) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            dirs.append(e.name)
+                        elif e.is_file(follow_symlinks=False):
+                            files.append(e.name)
+                    except OSError:
+                        continue
+            yield path, dirs, files
+            for name in dirs:
+                try:
+                    sub = os.open(name, _DIRFLAGS, dir_fd=fd)
+                except OSError:
+                    continue  # vanished, or swapped for a link since the listing
+                yield from self._walk_fd(sub, os.path.join(path, name))
+        finally:
+            os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return name
+    return "special file"

@@ -16,7 +16,9 @@ from bench.common import fsync_dir, fsync_tree, fsync_write
 
 def build(nbytes: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    width = 2048 if nbytes <= (1 << 30) else 4096
+    width = 4096  # the widest square layer that still gives about 4 or more layers
+    while width > 256 and width * width * 4 * 3 * 4 > nbytes:
+        width //= 2
     layer = width * width * 4
     n_layers = max(1, round(nbytes / 3 / layer))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(n_layers)])

@@ -4,7 +4,8 @@ Each measurement runs in a fresh interpreter (``python -m bench.row7_memory
 child OP BYTES DIR``): it builds the live state, resets the RSS high-water
 mark (``/proc/self/clear_refs`` 5), performs one operation and reports
 ``VmHWM`` minus the RSS before it: the memory the operation added at its peak
-on top of the live model and optimizer. Reported in MiB and as a ratio to the
+on top of the live model and optimizer (freed heap memory of the build is
+returned with ``malloc_trim`` first, so that it cannot hide an allocation). Reported in MiB and as a ratio to the
 state size (1.00x = one extra copy of the whole state).
 """
 
@@ -58,6 +59,7 @@ def child(op: str, nbytes: int, d: str) -> dict[str, float]:
         "dcp.load+load_state_dict": lambda: ts.dcp_load(os.path.join(d, "dcp"), model, opt),
     }
     gc.collect()
+    _malloc_trim()  # freed heap pages of the build (Adam's warm-up grads) would otherwise be reused unseen
     before_hwm = vm_hwm_kib()
     reset = reset_hwm()
     rss0 = vm_rss_kib()
@@ -65,6 +67,15 @@ def child(op: str, nbytes: int, d: str) -> dict[str, float]:
         ops[op]()
     peak = vm_hwm_kib()
     return {"extra_mib": (peak - rss0) / 1024, "state_mib": n / 2**20, "reset": reset, "build_hwm_mib": before_hwm / 1024}
+
+
+def _malloc_trim() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def prepare(nbytes: int, d: str) -> None:

@@ -163,6 +163,7 @@ def run(cfg: Config) -> list[Row]:
         Row("8b", "e2e CPU: restart to first useful step", "s", Measure("max(raw read, BLAKE3) + one step", floors), [
             Measure("process start to first step done", [r["stepped"] - r["spawn"] for r in rs]),
             Measure("  of which interpreter + imports", [r["imported"] - r["spawn"] for r in rs]),
+            Measure("  of which building the model", part("imported", "built")),
             Measure("  of which open (deep verify of the resume point)", part("built", "opened")),
             Measure("  of which Checkpointer.resume", part("opened", "resumed")),
             Measure("  of which first step", part("resumed", "stepped")),

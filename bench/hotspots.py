@@ -1,9 +1,9 @@
 """Where the time goes in the suite's worst rows: cProfile of one call.
 
-    python -m bench.profile resume [--size 256M] [--verify deep|cheap]   # row 4: open + Checkpointer.resume
-    python -m bench.profile list_saves [--history 10000]                 # row 6 (tmpfs)
-    python -m bench.profile latest [--history 10000]                     # row 5 (tmpfs)
-    python -m bench.profile save [--size 256M]                           # row 2: Checkpointer.save (sync)
+    python -m bench.hotspots resume [--size 256M] [--verify deep|cheap]   # row 4: open + Checkpointer.resume
+    python -m bench.hotspots list_saves [--history 10000]                 # row 6 (tmpfs)
+    python -m bench.hotspots latest [--history 10000]                     # row 5 (tmpfs)
+    python -m bench.hotspots save [--size 256M]                           # row 2: Checkpointer.save (sync)
 
 Prints the top functions by cumulative and by own time.
 """

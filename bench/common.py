@@ -48,6 +48,7 @@ class Config:
     quick: bool = False
     histories: tuple[int, ...] = (100, 1000, 10000)
     s3: bool = True
+    stem: str = "latest"  # results file names under bench/results/
     s3_max: int = 1000  # longest history copied into moto (10,000 takes minutes)
 
 

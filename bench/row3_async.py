@@ -24,8 +24,9 @@ from ckptstore.torch import Checkpointer
 
 
 def run(cfg: Config) -> list[Row]:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import async_save
 
     model, opt = ts.build(cfg.size)
     n = ts.state_bytes(model, opt)
@@ -71,7 +72,7 @@ def run(cfg: Config) -> list[Row]:
             p = os.path.join(d, f"dcp-{r}")
             sync()
             t = time.perf_counter()
-            fut = dcp.async_save(ts.state_dict(model, opt), storage_writer=dcp.FileSystemWriter(p, sync_files=True),
+            fut = async_save(ts.state_dict(model, opt), storage_writer=FileSystemWriter(p, sync_files=True),
                                  async_stager=stager)
             b = time.perf_counter() - t
             fut.result()  # type: ignore[union-attr]

@@ -48,12 +48,18 @@ def scan_floor(url: str) -> Callable[[int], float | None]:
     return go
 
 
+def _discard(fn: Callable[[], Any]) -> Callable[[int], float | None]:
+    def go(r: int) -> None:
+        fn()
+    return go
+
+
 def timed_calls(urls: dict[str, str], call: str, repeat: int) -> dict[str, list[float]]:
     stores = {k: CheckpointStore.open(u, RUN, mode="r") for k, u in urls.items()}
     contenders: dict[str, Callable[[int], float | None]] = {}
     for k, st in stores.items():
         fn: Callable[[], Any] = st.latest_complete if call == "latest" else st.list_saves
-        contenders[k] = lambda r, fn=fn: (fn(), None)[1]
+        contenders[k] = _discard(fn)
         contenders[f"floor {k}"] = scan_floor(urls[k])
     res = interleave(contenders, repeat, warmup=1)
     for st in stores.values():
@@ -74,7 +80,7 @@ def count_s3(h_values: list[int], sources: dict[int, str]) -> dict[int, dict[str
     try:
         for h in h_values:
             url = f"s3://{BUCKET}/hist-{uuid.uuid4().hex[:8]}"
-            inner: Backend = backend_from_url(url, storage_options=srv.storage_options())
+            inner: Backend = backend_from_url(url, storage_options=srv.storage_options())  # type: ignore[attr-defined]
             src = Path(sources[h])
             for p in sorted(src.rglob("*")):  # copy the run object for object
                 if p.is_file():
@@ -192,6 +198,7 @@ def run(cfg: Config) -> list[Row]:
                 ], {"history": h, "seconds": {k: v for k, v in c.items() if k.endswith("_s")}, "op_kinds": c["op_kinds"]}))
                 series.setdefault("latest_complete, S3 (moto), 1 call", []).append((h, c["latest_s"]))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    svg_plot(RESULTS / "history.svg", series)
-    rows[0].notes.append("plot: bench/results/history.svg (time per call against H)")
+    svg = "history.svg" if cfg.stem == "latest" else f"history-{cfg.stem}.svg"
+    svg_plot(RESULTS / svg, series)
+    rows[0].notes.append(f"plot: bench/results/{svg} (time per call against H)")
     return rows

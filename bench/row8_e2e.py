@@ -45,7 +45,7 @@ def train_step(model: Any, opt: Any, x: Any, y: Any) -> float:
 
     opt.zero_grad(set_to_none=True)
     loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     opt.step()
     return float(loss)
 

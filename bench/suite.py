@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,19 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(
         size=parse_size(a.size), repeat=a.repeat, disk_dir=a.dir or tempfile.gettempdir(), shm_dir=a.shm,
         cold=drop_caches(), quick=a.quick, histories=tuple(int(h) for h in a.histories.split(",")), s3=not a.no_s3,
-        s3_max=a.s3_max,
+        s3_max=a.s3_max, stem=a.stem,
     )
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     t0 = time.perf_counter()
-    meta = {"started": started, "size": cfg.size, "repeat": cfg.repeat, "argv": sys.argv[1:], "machine": machine(cfg),
+    meta: dict[str, Any] = {"started": started, "size": cfg.size, "repeat": cfg.repeat, "argv": sys.argv[1:], "machine": machine(cfg),
             "row_seconds": {}}
+    row_seconds: dict[str, float] = meta["row_seconds"]
     rows: list[Row] = []
     for key in a.rows.split(","):
         mod = importlib.import_module(MODULES[key])
         t = time.perf_counter()
         print(f"suite: row {key} ({MODULES[key]}) ...", file=sys.stderr, flush=True)
         new = mod.run(cfg)
-        meta["row_seconds"][key] = round(time.perf_counter() - t, 1)
+        row_seconds[key] = round(time.perf_counter() - t, 1)
         rows.extend(new)
         meta["wall_seconds"] = time.perf_counter() - t0
         write_results(rows, meta, a.stem)  # partial results survive a later row's failure

@@ -47,7 +47,7 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 
 def buffers(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[memoryview]:
     """The state's bytes as buffers (zero copy), for the raw floors."""
-    return [memoryview(t.contiguous().numpy()).cast("B") for t in tensors(model, opt).values() if t.dim() > 0]
+    return [t.contiguous().numpy().data.cast("B") for t in tensors(model, opt).values() if t.dim() > 0]
 
 
 def state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -82,9 +82,10 @@ def safetensors_save(path: str, model: torch.nn.Module, opt: torch.optim.Optimiz
 
 
 def dcp_save(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
 
-    dcp.save(state_dict(model, opt), storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+    save(state_dict(model, opt), storage_writer=FileSystemWriter(path, sync_files=True))
     fsync_tree(path)  # sync_files covers the data files; the directory entries and .metadata need this
     fsync_dir(os.path.dirname(path))
 
@@ -96,10 +97,11 @@ def torch_load(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) ->
 
 
 def dcp_load(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     sd = state_dict(model, opt)  # loaded in place into the live tensors
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
+    load(sd, storage_reader=FileSystemReader(path))
     model.load_state_dict(sd["model"])
     opt.load_state_dict(sd["optimizer"])
 

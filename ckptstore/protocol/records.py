@@ -296,6 +296,8 @@ class CommitRecord(Signable):
     world_size: int | None = None
     auth: AuthTag | None = field(default=None, compare=False)
     body_digest: str = field(default="", compare=False)
+    #: BLAKE3 of the stored bytes, set when decoded (they are canonical, so it is the manifest digest)
+    stored_digest: str = field(default="", compare=False)
     kind = "commit"
 
     def to_record(self) -> dict[str, Any]:
@@ -323,7 +325,7 @@ class CommitRecord(Signable):
         return sum(c.size for c in self.components.values())
 
     def manifest_digest(self) -> str:
-        return digest_bytes(self.encode())
+        return self.stored_digest or digest_bytes(self.encode())
 
     @classmethod
     def decode(
@@ -367,7 +369,7 @@ class CommitRecord(Signable):
         world = f.int_in("world_size", 1, 1 << 20) if "world_size" in f.rec else None
         return cls(
             _check_run_id(f, run_id), s, a, sid, f.text("writer_id", _WRITER), f.text("identity_digest", _HEX64),
-            comps, f.time("created_at"), metadata, ranks, world, *_auth_of(raw, where, data),
+            comps, f.time("created_at"), metadata, ranks, world, *_auth_of(raw, where, data), digest_bytes(data),
         )
 
 

@@ -54,6 +54,8 @@ class Scan:
     attempts: AttemptView
     #: False: ``save_objects`` was not listed; each candidate lists its own save prefix
     saves_listed: bool = True
+    #: manifest digests deep-verified earlier in the same operation (not re-hashed)
+    memo: set[str] | None = None
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
@@ -170,7 +172,11 @@ class Catalog:
         if rec.identity_digest != self.identity_digest:
             detail = "commit was made under another identity"
             return Candidate(step, attempt, None, [(SkipReason.IDENTITY_MISMATCH, detail)], sid)
-        problems = self.check_components(rec, self._objects_of(scan, sid), deep)
+        digest = rec.manifest_digest() if deep and scan.memo is not None else ""
+        hashed_before = bool(digest) and digest in (scan.memo or ())
+        problems = self.check_components(rec, self._objects_of(scan, sid), deep and not hashed_before)
+        if digest and not problems and scan.memo is not None:
+            scan.memo.add(digest)
         return Candidate(step, attempt, None if problems else SaveRef.of(rec), problems, sid)
 
     def walk(self, scan: Scan, deep: bool, deep_until: int | None = None) -> Iterator[Candidate]:
@@ -192,12 +198,17 @@ class Catalog:
             yield c
 
     # ------------------------------------------------------------ selection
-    def select(self, deep: bool, attempts: AttemptView | None = None, *, explain: bool = True) -> Selection:
+    def select(
+        self, deep: bool, attempts: AttemptView | None = None, *, explain: bool = True, memo: set[str] | None = None
+    ) -> Selection:
         """The newest commit that verifies. Without ``explain`` the saves are
         not listed as a whole: each candidate tried lists only its own save's
         prefix, so the cost follows the candidates tried, not the history
-        (and uncommitted saves are not reported)."""
+        (and uncommitted saves are not reported). ``memo``: manifest digests
+        deep-verified earlier in the same operation, not re-hashed (extended
+        with what this call verifies)."""
         scan = self.scan(attempts, with_saves=explain)
+        scan.memo = memo
         skipped: list[Skip] = []
         committed_ids: set[str] = set()
         chosen: SaveRef | None = None

@@ -122,9 +122,10 @@ class CheckpointStore:
             if join_attempt is not None:
                 self.attempt = self._attempts.read(join_attempt)
             else:
+                memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
                 self.attempt, self.resumed_from = self._attempts.register(
                     self.writer_id, resume_from,
-                    lambda view: self._catalog.select(self._resume_deep, view, explain=False).latest,
+                    lambda view: self._catalog.select(self._resume_deep, view, explain=False, memo=memo).latest,
                 )
 
     # ------------------------------------------------------------------ open

@@ -15,6 +15,10 @@ from collections.abc import Callable, Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Before anything imports gcsfs (the plug-in tests' frameworks may): against the
+# GCS emulator gcsfs's experimental default would probe buckets over gRPC.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 # Hypothesis profiles: "default" is the bounded profile of the normal suite;
 # "deep" runs >= 100,000 state-machine steps (pytest --hypothesis-profile=deep).
 # A failing example prints its rule sequence and a @reproduce_failure blob;

@@ -132,3 +132,19 @@ def test_fall_back_takes_the_abandoned_point_out_of_history() -> None:
     latest = st2.latest_complete()
     assert latest is not None and latest.attempt == 3
     assert [e["event"] for e in st2.events()] == ["resume-fallback"]
+
+
+def test_a_deep_open_reads_the_resume_point_once() -> None:
+    """Registering an attempt selects twice (before and after creating the
+    attempt record); the second selection does not re-hash what the first verified."""
+    from ckptstore.faults import FaultyBackend
+
+    mem = MemoryBackend()
+    st = CheckpointStore.open(mem, "r", identity={"data_digest": "d"})
+    with st.save(1) as s:
+        s.put("model", b"w" * 100_000)
+    fb = FaultyBackend(mem)
+    st2 = CheckpointStore.open(fb, "r", identity={"data_digest": "d"})
+    assert st2.resumed_from is not None
+    read = sum(int(t.outcome.split()[1][:-1]) for t in fb.trace if t.op == "get_range" and "/saves/" in t.key)
+    assert read == 100_000

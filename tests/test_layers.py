@@ -44,7 +44,7 @@ CORE_ORDER = [
     "signrun",
     "store",
 ]
-OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata")
+OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata", "lightning", "transformers")
 
 
 def _layer(module: str) -> str:

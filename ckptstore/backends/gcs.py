@@ -42,19 +42,19 @@ def backend_from_url(url: str, storage_options: dict[str, Any]) -> GCSBackend:
     by default)."""
     root, opts = prepare_options(url, storage_options)
     emulator = "endpoint_url" in opts or bool(os.environ.get("STORAGE_EMULATOR_HOST"))
-    if emulator:
-        # gcsfs probes for hierarchical-namespace buckets over gRPC, which an
-        # emulator does not serve (each call then waits ~60 s); gcsfs reads this
-        # switch from the environment only.
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     try:
         import gcsfs
+        from gcsfs.core import GCSFileSystem as PlainGCSFileSystem
     except ImportError as exc:
         raise InvalidInputError(f"{redact_url(url)}: install ckptstore[gcs] to use gs:// URLs ({exc})") from None
     if "endpoint_url" not in opts and os.environ.get("STORAGE_EMULATOR_HOST"):
         opts.setdefault("token", "anon")
     try:
-        fs = gcsfs.GCSFileSystem(**opts)
+        # Against an emulator use gcsfs's plain filesystem: its "experimental"
+        # default (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT, read once when gcsfs is
+        # first imported, possibly by another library) probes every bucket over
+        # gRPC, which an emulator does not serve: each open then stalls.
+        fs = (PlainGCSFileSystem if emulator else gcsfs.GCSFileSystem)(**opts)
     except TypeError as exc:
         raise InvalidInputError(f"{redact_url(url)}: bad storage_options: {redact_text(str(exc))}") from None
     backend = finish_backend(GCSBackend(fs, root), url, storage_options)

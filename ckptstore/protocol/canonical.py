@@ -62,28 +62,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _depth_ok(data: bytes, limit: int) -> bool:
-    """Cheap pre-scan: brackets outside strings never nest deeper than ``limit``."""
-    depth = 0
-    in_str = False
-    escaped = False
-    for b in data:
-        if in_str:
-            if escaped:
-                escaped = False
-            elif b == 0x5C:  # backslash
-                escaped = True
-            elif b == 0x22:
-                in_str = False
-        elif b == 0x22:
-            in_str = True
-        elif b in (0x5B, 0x7B):
-            depth += 1
-            if depth > limit:
-                return False
-        elif b in (0x5D, 0x7D):
-            depth -= 1
-    return True
+def _depth(value: Any) -> int:
+    """Nesting depth of a decoded value (iterative: no recursion to exhaust)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in v)
+    return deepest
 
 
 def decode_json(data: bytes, *, where: str, max_bytes: int, canonical: bool = False) -> Any:
@@ -92,8 +83,6 @@ def decode_json(data: bytes, *, where: str, max_bytes: int, canonical: bool = Fa
     covers exactly what a reader acts on)."""
     if len(data) > max_bytes:
         raise CorruptionError(f"{where}: {len(data)} bytes, more than the {max_bytes} allowed for it")
-    if not _depth_ok(data, MAX_DEPTH):
-        raise CorruptionError(f"{where}: nested deeper than {MAX_DEPTH} levels")
     try:
         text = data.decode("utf-8")
         value = json.loads(
@@ -105,6 +94,8 @@ def decode_json(data: bytes, *, where: str, max_bytes: int, canonical: bool = Fa
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptionError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
+    if (data.count(b"[") + data.count(b"{") > MAX_DEPTH) and _depth(value) > MAX_DEPTH:
+        raise CorruptionError(f"{where}: nested deeper than {MAX_DEPTH} levels")
     if canonical:
         try:
             again = canonical_json(value)

@@ -62,13 +62,15 @@ def digest_bytes(data: bytes | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def _auth_of(rec: Mapping[str, Any], where: str) -> tuple[AuthTag | None, str]:
-    """(the record's tag, the digest of its canonical bytes without the tag)."""
-    tag = None
-    if "auth" in rec:
-        tag = AuthTag.parse(rec["auth"])
-        if tag is None:
-            raise CorruptionError(f"{where}: malformed auth field")
+def _auth_of(rec: Mapping[str, Any], where: str, data: bytes) -> tuple[AuthTag | None, str]:
+    """(the record's tag, the digest of its canonical bytes without the tag).
+    ``data`` is the record's canonical encoding (checked by the decoder): an
+    untagged record's body digest is the digest of its bytes, no re-encoding."""
+    if "auth" not in rec:
+        return None, digest_bytes(data)
+    tag = AuthTag.parse(rec["auth"])
+    if tag is None:
+        raise CorruptionError(f"{where}: malformed auth field")
     body = {k: v for k, v in rec.items() if k != "auth"}
     return tag, digest_bytes(canonical_json(body))
 
@@ -202,7 +204,7 @@ class RunRecord(Signable):
         assert identity is not None
         return cls(
             _check_run_id(f, run_id), identity, f.text("identity_digest", _HEX64), f.time("created_at"),
-            f.obj("lineage", optional=True), *_auth_of(raw, where),
+            f.obj("lineage", optional=True), *_auth_of(raw, where, data),
         )
 
 
@@ -255,7 +257,7 @@ class AttemptRecord(Signable):
             raise f.bad("abandons", f"a list of earlier attempt numbers (at most {MAX_ABANDONS})")
         return cls(
             _check_run_id(f, run_id), n, f.int_in("resumed_from", 0, MAX_STEP, optional=True),
-            f.text("writer_id", _WRITER), f.time("created_at"), tuple(abandons), f.text("host"), *_auth_of(raw, where),
+            f.text("writer_id", _WRITER), f.time("created_at"), tuple(abandons), f.text("host"), *_auth_of(raw, where, data),
         )
 
 
@@ -294,6 +296,8 @@ class CommitRecord(Signable):
     world_size: int | None = None
     auth: AuthTag | None = field(default=None, compare=False)
     body_digest: str = field(default="", compare=False)
+    #: BLAKE3 of the stored bytes, set when decoded (they are canonical, so it is the manifest digest)
+    stored_digest: str = field(default="", compare=False)
     kind = "commit"
 
     def to_record(self) -> dict[str, Any]:
@@ -321,7 +325,7 @@ class CommitRecord(Signable):
         return sum(c.size for c in self.components.values())
 
     def manifest_digest(self) -> str:
-        return digest_bytes(self.encode())
+        return self.stored_digest or digest_bytes(self.encode())
 
     @classmethod
     def decode(
@@ -365,7 +369,7 @@ class CommitRecord(Signable):
         world = f.int_in("world_size", 1, 1 << 20) if "world_size" in f.rec else None
         return cls(
             _check_run_id(f, run_id), s, a, sid, f.text("writer_id", _WRITER), f.text("identity_digest", _HEX64),
-            comps, f.time("created_at"), metadata, ranks, world, *_auth_of(raw, where),
+            comps, f.time("created_at"), metadata, ranks, world, *_auth_of(raw, where, data), digest_bytes(data),
         )
 
 
@@ -408,4 +412,4 @@ class EventRecord(Signable):
             raise f.bad("event", "an event kind") from None
         payload = f.obj("payload")
         assert payload is not None
-        return cls(kind, f.time("at"), f.int_in("attempt", 1, MAX_ATTEMPT, optional=True), payload, *_auth_of(raw, where))
+        return cls(kind, f.time("at"), f.int_in("attempt", 1, MAX_ATTEMPT, optional=True), payload, *_auth_of(raw, where, data))

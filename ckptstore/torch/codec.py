@@ -15,6 +15,24 @@ JSON encoding of the non-JSON shapes (tagged single-key objects):
 * ``{"__dtype": "float32"}`` a torch dtype
 * a dict whose keys start with ``__`` is escaped as ``{"__map": ...}`` too.
 
+Lossless encodings of common non-JSON values (see :func:`_encode_extra`):
+
+* ``{"__path": [class name, str]}`` a ``pathlib`` path (``Path``, ``PurePosixPath``, ...)
+* ``{"__set": [...]}`` / ``{"__frozenset": [...]}`` (elements in a canonical order)
+* ``{"__bytes": base64}`` / ``{"__bytearray": base64}``
+* ``{"__datetime": {"iso": ..., "tz": zone key or null, "fold": 0|1}}``, ``{"__date": iso}``,
+  ``{"__timedelta": [days, seconds, microseconds]}``
+* ``{"__device": "cuda:0"}`` a ``torch.device``
+* ``{"__namespace": {...}}`` an ``argparse.Namespace``
+* ``{"__enum": [name, value]}`` / ``{"__dataclass": [name, {field: value}]}`` an enum member
+  or a dataclass instance of a type registered by name in a :class:`TypeRegistry`
+  (the process-wide :data:`TYPES` unless one is passed). An unregistered enum or
+  dataclass is refused with its key path, like every other unsupported object.
+* ``{"__type": name}`` a class as a value (registered with ``register_class``, or OmegaConf's
+  ``DictConfig``/``ListConfig``, which Lightning stores as ``hparams_type``)
+* ``{"__omegaconf": {"content": ..., "flags": [...]}}`` an OmegaConf ``DictConfig``/``ListConfig``
+  (unresolved content; structured configs are refused). omegaconf is imported only to decode one.
+
 The safetensors file is written by a streaming writer here (header + the
 tensors' own memory, no copy into one big bytes object, which
 ``safetensors.torch.save`` would make); it is read back with the
@@ -23,10 +41,7 @@ tensors' own memory, no copy into one big bytes object, which
 
 from __future__ import annotations
 
-import json
 import math
-import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,44 +49,34 @@ import numpy as np
 import torch
 
 from ..errors import CorruptionError, InvalidInputError
+from ..protocol.canonical import canonical_json, decode_json
+from .codec_types import (
+    EXTRA_TAGS,
+    NOT_EXTRA,
+    TYPES,
+    TypeRegistry,
+    _decode_extra,
+    _encode_extra,
+    path_str,
+    register_type,
+)
+from .safetensors_io import (
+    DTYPE_BY_NAME,
+    DTYPE_TO_ST,
+    ST_TO_DTYPE,
+    load_safetensors,
+    safetensors_stream,
+)
 
-DTYPE_TO_ST = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"),
-                   ("float8_e5m2", "F8_E5M2")):
-    if hasattr(torch, _name):
-        DTYPE_TO_ST[getattr(torch, _name)] = _st
-ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+__all__ = [
+    "DTYPE_BY_NAME", "DTYPE_TO_ST", "EXTRA_TAGS", "ST_TO_DTYPE", "TYPES", "Flattened", "TypeRegistry", "flatten",
+    "load_safetensors", "path_str", "register_type", "safetensors_stream", "tree_from_json", "tree_to_json", "unflatten",
+]
 
-#: The only dtypes a ``{"__dtype": NAME}`` tag may name. Decoding looks NAME up
-#: here and nowhere else: never ``getattr(torch, NAME)``, which would hand a
-#: hostile save any attribute of the torch module (functions included).
-DTYPE_BY_NAME: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
-}
-for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-    _d = getattr(torch, _name, None)  # build time, fixed names: the table, not the save, decides
-    if isinstance(_d, torch.dtype):
-        DTYPE_BY_NAME[_name] = _d
+#: Largest state document read back (the JSON half of a save; tensors are separate).
+MAX_STATE_DOCUMENT = 256 << 20
+
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def _path_str(path: tuple[Any, ...]) -> str:
-    return "state" + "".join(f"[{p!r}]" for p in path)
 
 
 @dataclass
@@ -83,11 +88,14 @@ class Flattened:
     numpy_keys: set[str] = field(default_factory=set)
 
 
-def flatten(state: Any, *, prefix: str = "") -> Flattened:
+def flatten(state: Any, *, prefix: str = "", registry: TypeRegistry | None = None) -> Flattened:
     """Split a state tree into a JSON-able tree and a dict of tensors.
 
     The same tensor object reachable twice (tied weights) is stored once.
+    Enums and dataclasses are encoded only when their type is registered in
+    ``registry`` (default: :data:`TYPES`).
     """
+    types = TYPES if registry is None else registry
     out = Flattened(None)
     by_id: dict[int, str] = {}
 
@@ -104,11 +112,14 @@ def flatten(state: Any, *, prefix: str = "") -> Flattened:
         return k
 
     def walk(x: Any, path: tuple[Any, ...]) -> Any:
+        extra = _encode_extra(x, path, walk, types)
+        if extra is not NOT_EXTRA:
+            return extra
         if isinstance(x, torch.Tensor):
             if x.is_sparse or x.layout != torch.strided:
-                raise InvalidInputError(f"{_path_str(path)}: sparse/non-strided tensors are not supported")
+                raise InvalidInputError(f"{path_str(path)}: sparse/non-strided tensors are not supported")
             if x.dtype not in DTYPE_TO_ST:
-                raise InvalidInputError(f"{_path_str(path)}: tensor dtype {x.dtype} has no safetensors encoding")
+                raise InvalidInputError(f"{path_str(path)}: tensor dtype {x.dtype} has no safetensors encoding")
             return {"__t": tensor_key(x, path)}
         if isinstance(x, np.ndarray):
             t = torch.from_numpy(np.ascontiguousarray(x))
@@ -128,7 +139,7 @@ def flatten(state: Any, *, prefix: str = "") -> Flattened:
         if isinstance(x, torch.dtype):
             name = str(x).removeprefix("torch.")
             if DTYPE_BY_NAME.get(name) is not x:
-                raise InvalidInputError(f"{_path_str(path)}: dtype {x} is not in the codec's dtype table")
+                raise InvalidInputError(f"{path_str(path)}: dtype {x} is not in the codec's dtype table")
             return {"__dtype": name}
         if isinstance(x, tuple):
             return {"__tuple": [walk(v, (*path, i)) for i, v in enumerate(x)]}
@@ -141,12 +152,12 @@ def flatten(state: Any, *, prefix: str = "") -> Flattened:
             for k, v in x.items():
                 if not isinstance(k, (str, int, bool)) and k is not None:
                     raise InvalidInputError(
-                        f"{_path_str(path)}: dict key {k!r} of type {type(k).__name__} cannot be stored without pickle"
+                        f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} cannot be stored without pickle"
                     )
                 items.append([k, walk(v, (*path, k))])
             return {"__map": items}
         raise InvalidInputError(
-            f"{_path_str(path)}: object of type {type(x).__module__}.{type(x).__qualname__} cannot be stored "
+            f"{path_str(path)}: object of type {type(x).__module__}.{type(x).__qualname__} cannot be stored "
             "without pickle; store its state_dict() or convert it to tensors/JSON values"
         )
 
@@ -154,12 +165,12 @@ def flatten(state: Any, *, prefix: str = "") -> Flattened:
     return out
 
 
-def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor], *, registry: TypeRegistry | None = None) -> Any:
     """Rebuild a state tree. The tree may come from hostile storage: every
     malformed tag is a :class:`CorruptionError`, never a raw TypeError,
     AttributeError or RecursionError, and no tag can produce a callable."""
     try:
-        return _unflatten(tree, tensors)
+        return _unflatten(tree, tensors, TYPES if registry is None else registry)
     except RecursionError:
         raise CorruptionError("state tree is nested too deeply to be a saved training state") from None
 
@@ -170,7 +181,7 @@ def _bad(tag: str, val: Any) -> CorruptionError:
     return CorruptionError(f"state tree has a malformed {tag!r} tag: {shown}")
 
 
-def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _unflatten(tree: Any, tensors: dict[str, torch.Tensor], types: TypeRegistry) -> Any:
     def walk(x: Any) -> Any:
         if isinstance(x, list):
             return [walk(v) for v in x]
@@ -206,6 +217,13 @@ def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
                     if not isinstance(val, str) or val not in DTYPE_BY_NAME:
                         raise _bad(tag, val)
                     return DTYPE_BY_NAME[val]
+                if tag in EXTRA_TAGS:
+                    try:
+                        return _decode_extra(tag, val, walk, types)
+                    except CorruptionError:
+                        raise
+                    except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
+                        raise _bad(tag, val) from None
             for k in x:
                 if k.startswith("__"):  # flatten escapes such keys as "__map"; a bare one is no tag we know
                     raise _bad(k, x[k])
@@ -226,61 +244,11 @@ def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def tree_to_json(tree: Any) -> bytes:
-    return json.dumps(tree, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    """The state document's bytes: the project's one canonical JSON encoder."""
+    return canonical_json(tree)
 
 
 def tree_from_json(data: bytes) -> Any:
-    """Parse a stored state document; anything malformed is a :class:`CorruptionError`."""
-    try:
-        return json.loads(data.decode())
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CorruptionError(f"state document is not valid JSON: {str(exc)[:200]}") from None
-
-
-# --------------------------------------------------------------- safetensors
-
-
-def _raw_view(t: torch.Tensor) -> memoryview:
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return flat.view(torch.uint8).numpy().data.cast("B")
-
-
-def safetensors_stream(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[int, Iterator[memoryview]]:
-    """(total size, buffers) of a safetensors file holding ``tensors``.
-
-    Tensors must be contiguous CPU tensors; their memory is streamed as is.
-    """
-    header: dict[str, Any] = {}
-    offset = 0
-    order = sorted(tensors)
-    for k in order:
-        t = tensors[k]
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"tensor {k!r} must be contiguous on the CPU before streaming")
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    if metadata:
-        header["__metadata__"] = metadata
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * ((8 - len(hb) % 8) % 8)
-    total = 8 + len(hb) + offset
-
-    def gen() -> Iterator[memoryview]:
-        yield memoryview(struct.pack("<Q", len(hb)) + hb)
-        for k in order:
-            if tensors[k].numel():
-                yield _raw_view(tensors[k])
-
-    return total, gen()
-
-
-def load_safetensors(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    try:
-        return load(data)
-    except Exception as exc:  # noqa: BLE001 - report as corruption, never a deep traceback
-        raise CorruptionError(f"safetensors component cannot be parsed: {exc}") from None
+    """Parse a stored state document strictly (size cap, no NaN/duplicate
+    keys, bounded nesting); anything malformed is a :class:`CorruptionError`."""
+    return decode_json(data, where="state document", max_bytes=MAX_STATE_DOCUMENT)

@@ -1,0 +1,95 @@
+"""Row 3: asynchronous save, the time the training loop is blocked.
+
+Checkpointer (async) vs DCP ``async_save`` with a reused stager
+(``DefaultStager`` with synchronous staging, no pinned/shared memory, which
+this CPU-only build cannot give: the copy happens in the call, into storages
+the stager caches and reuses, so the call's duration is the blocked time);
+floor: copying every tensor into preallocated buffers. A second row reports
+the time until the save is durable (ckptstore: committed) against a floor of
+copy + raw write+fsync.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench import torchstate as ts
+from bench.common import IDENTITY, Config, Measure, Row, human, interleave, rm, scratch, sync
+from ckptstore import CheckpointStore
+from ckptstore.torch import Checkpointer
+
+
+def run(cfg: Config) -> list[Row]:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    model, opt = ts.build(cfg.size)
+    n = ts.state_bytes(model, opt)
+    src = ts.tensors(model, opt)
+    bufs = {k: torch.empty_like(v) for k, v in src.items()}
+    blocked: dict[str, list[float]] = {}
+    durable: dict[str, list[float]] = {}
+
+    def note(name: str, r: int, b: float, d: float) -> None:
+        if r >= 0:
+            blocked.setdefault(name, []).append(b)
+            durable.setdefault(name, []).append(d)
+
+    with scratch(cfg.disk_dir, "bench-row3-") as d:
+        st = CheckpointStore.open(os.path.join(d, "store"), "row3", identity=IDENTITY)
+        ck = Checkpointer(st, {"model": model, "optimizer": opt}, async_save=True, handle_signals=False)
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                              use_non_blocking_copy=False))
+
+        def floor(r: int) -> float:
+            p = os.path.join(d, f"raw-{r}")
+            sync()
+            t = time.perf_counter()
+            for k, v in src.items():
+                bufs[k].copy_(v)
+            b = time.perf_counter() - t
+            ts.raw_save(p, model, opt)  # stands for writing the buffers: same bytes
+            note("floor", r, b, time.perf_counter() - t)
+            rm(p)
+            return b
+
+        def ours(r: int) -> float:
+            sync()
+            t = time.perf_counter()
+            ck.save(r + 1)
+            b = time.perf_counter() - t
+            ck.wait()
+            note("ckptstore", r, b, time.perf_counter() - t)
+            st.gc(keep_last=1, grace_seconds=0, deep=False)
+            return b
+
+        def theirs(r: int) -> float:
+            p = os.path.join(d, f"dcp-{r}")
+            sync()
+            t = time.perf_counter()
+            fut = async_save(ts.state_dict(model, opt), storage_writer=FileSystemWriter(p, sync_files=True),
+                                 async_stager=stager)
+            b = time.perf_counter() - t
+            fut.result()  # type: ignore[union-attr]
+            note("dcp", r, b, time.perf_counter() - t)
+            rm(p)
+            return b
+
+        contenders: dict[str, Callable[[int], float | None]] = {"floor": floor, "ckptstore": ours, "dcp": theirs}
+        with torch.no_grad():
+            interleave(contenders, cfg.repeat, warmup=1)  # warm-up: first async save allocates the buffers
+        ck.close()
+        st.close()
+    names = {"ckptstore": "ckptstore Checkpointer (async)", "dcp": "DCP async_save, reused stager"}
+    return [
+        Row("3", f"async save {human(n)}: loop blocked", "s", Measure("copy into preallocated buffers", blocked["floor"]),
+            [Measure(names[k], blocked[k]) for k in ("ckptstore", "dcp")], {"bytes": n},
+            ["first (warm-up) round excluded: both allocate their host buffers then"]),
+        Row("3b", f"async save {human(n)}: until durable/committed", "s", Measure("copy + raw write+fsync", durable["floor"]),
+            [Measure(names[k], durable[k]) for k in ("ckptstore", "dcp")], {"bytes": n}),
+    ]

@@ -1,0 +1,95 @@
+"""Row 4: resume into a live model and optimizer, verified.
+
+ckptstore: ``CheckpointStore.open`` (which by default re-hashes the chosen
+save before the attempt resumes from it) + ``Checkpointer.resume()`` (which
+reads and verifies again while loading); also with ``resume_verify="cheap"``
+(sizes at open, the digest checked once while loading). Peers: torch.load +
+load_state_dict, dcp.load in place + load_state_dict. Floor: max(raw read of
+the same bytes, BLAKE3 of them in memory), measured in the same round. Warm
+page cache, and cold (``drop_caches`` before each measurement) when permitted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import blake3
+import torch
+
+from bench import torchstate as ts
+from bench.common import IDENTITY, Config, Measure, Row, drop_caches, human, interleave, read_file, scratch
+from ckptstore import CheckpointStore
+from ckptstore.torch import Checkpointer
+
+
+def run(cfg: Config) -> list[Row]:
+    src_model, src_opt = ts.build(cfg.size, seed=1)
+    model, opt = ts.build(cfg.size, seed=2)  # the live objects restored into
+    n = ts.state_bytes(model, opt)
+    rows = []
+    with scratch(cfg.disk_dir, "bench-row4-") as d:
+        url = os.path.join(d, "store")
+        st = CheckpointStore.open(url, "row4", identity=IDENTITY)
+        with Checkpointer(st, {"model": src_model, "optimizer": src_opt}, async_save=False, handle_signals=False) as ck:
+            ck.save(7)
+        st.close()
+        raw, tpath, dpath = os.path.join(d, "raw.bin"), os.path.join(d, "t.pt"), os.path.join(d, "dcp")
+        ts.raw_save(raw, src_model, src_opt)
+        ts.torch_save(tpath, src_model, src_opt)
+        ts.dcp_save(dpath, src_model, src_opt)
+        data = memoryview(bytearray(os.urandom(1 << 20)) * max(1, n >> 20))
+
+        for cold in (False, True) if cfg.cold else (False,):
+            def prep(cold: bool = cold) -> None:
+                if cold:
+                    drop_caches()
+
+            def timed(fn: Callable[[], None], check: bool = True) -> Callable[[int], float]:
+                def go(r: int) -> float:
+                    for p in model.parameters():  # start from different values each time
+                        p.data.fill_(r)
+                    prep()
+                    t = time.perf_counter()
+                    fn()
+                    dt = time.perf_counter() - t
+                    if check and not ts.same((model, opt), (src_model, src_opt)):
+                        raise AssertionError("restore did not reproduce the saved state")
+                    return dt
+                return go
+
+            def ours(verify: str) -> Callable[[], None]:
+                def go() -> None:
+                    s = CheckpointStore.open(url, "row4", identity=IDENTITY, resume_verify=verify)  # type: ignore[arg-type]
+                    c = Checkpointer(s, {"model": model, "optimizer": opt}, async_save=False, handle_signals=False)
+                    assert c.resume() == 8
+                    c.close()
+                    s.close()
+                return go
+
+            def hash_floor() -> None:
+                h = blake3.blake3()
+                for i in range(0, len(data), 8 << 20):
+                    h.update(data[i : i + (8 << 20)])
+                h.hexdigest()
+
+            contenders: dict[str, Callable[[int], float | None]] = {
+                "raw read": timed(lambda: (read_file(raw), None)[1], check=False),
+                "BLAKE3 in memory": timed(hash_floor, check=False),
+                "ckptstore open+resume (deep verify at open)": timed(ours("deep")),
+                "ckptstore open+resume (resume_verify=cheap)": timed(ours("cheap")),
+                "torch.load+load_state_dict": timed(lambda: ts.torch_load(tpath, model, opt)),
+                "dcp.load+load_state_dict": timed(lambda: ts.dcp_load(dpath, model, opt)),
+            }
+            with torch.no_grad():
+                res = interleave(contenders, cfg.repeat, warmup=0 if cold else 1)
+            rd, hs = res.pop("raw read"), res.pop("BLAKE3 in memory")
+            floor = Measure("max(raw read, BLAKE3)", [max(a, b) for a, b in zip(rd, hs, strict=True)])
+            cache = "cold page cache" if cold else "warm page cache"
+            rows.append(Row("4", f"resume {human(n)}, {cache}", "s", floor,
+                            [Measure("raw read", rd), Measure("BLAKE3 in memory", hs)] + [Measure(k, v) for k, v in res.items()],
+                            {"bytes": n, "cold": cold}))
+    if not cfg.cold:
+        rows[-1].notes.append("cold-cache rows skipped: writing /proc/sys/vm/drop_caches was refused")
+    return rows

@@ -1,0 +1,76 @@
+"""The benchmark suite of issue 14: one entry that runs every row.
+
+    ./dev bench suite [--size 256M|1G|4G] [--repeat 5] [--rows 1,2,3,4,5,6,7,8] [--dir PATH] [--quick]
+
+Interleaves ckptstore and its peers in the same run, takes medians and reports
+each median as a ratio to a floor measured in the same run. Writes
+bench/results/latest.json and bench/results/latest.md and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import Config, Row, drop_caches, machine, markdown, parse_size, write_results
+
+MODULES = {
+    "1": "bench.row1_save",
+    "2": "bench.row2_sync",
+    "3": "bench.row3_async",
+    "4": "bench.row4_resume",
+    "5": "bench.row5_history",  # rows 5 and 6
+    "7": "bench.row7_memory",
+    "8": "bench.row8_e2e",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="256M", help="state size of the save/restore rows (256M, 1G, 4G)")
+    ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds per row")
+    ap.add_argument("--rows", default=",".join(MODULES), help="which rows (5 also runs row 6)")
+    ap.add_argument("--dir", default=None, help="a directory on the local disk (default: the system temp dir)")
+    ap.add_argument("--shm", default="/dev/shm", help="a directory on tmpfs")
+    ap.add_argument("--histories", default="100,1000,10000", help="history lengths of row 5")
+    ap.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) request counts of row 5")
+    ap.add_argument("--s3-max", type=int, default=1000, help="longest history of row 5 counted on S3 (moto)")
+    ap.add_argument("--quick", action="store_true", help="smaller everything (a smoke run)")
+    ap.add_argument("--stem", default="latest", help="results file name under bench/results/")
+    a = ap.parse_args(argv)
+    cfg = Config(
+        size=parse_size(a.size), repeat=a.repeat, disk_dir=a.dir or tempfile.gettempdir(), shm_dir=a.shm,
+        cold=drop_caches(), quick=a.quick, histories=tuple(int(h) for h in a.histories.split(",")), s3=not a.no_s3,
+        s3_max=a.s3_max, stem=a.stem,
+    )
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    t0 = time.perf_counter()
+    meta: dict[str, Any] = {"started": started, "size": cfg.size, "repeat": cfg.repeat, "argv": sys.argv[1:], "machine": machine(cfg),
+            "row_seconds": {}}
+    row_seconds: dict[str, float] = meta["row_seconds"]
+    rows: list[Row] = []
+    for key in a.rows.split(","):
+        mod = importlib.import_module(MODULES[key])
+        t = time.perf_counter()
+        print(f"suite: row {key} ({MODULES[key]}) ...", file=sys.stderr, flush=True)
+        new = mod.run(cfg)
+        row_seconds[key] = round(time.perf_counter() - t, 1)
+        rows.extend(new)
+        meta["wall_seconds"] = time.perf_counter() - t0
+        write_results(rows, meta, a.stem)  # partial results survive a later row's failure
+    meta["wall_seconds"] = time.perf_counter() - t0
+    js, md = write_results(rows, meta, a.stem)
+    print(markdown(rows, meta))
+    print(f"suite: wrote {js} and {md}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

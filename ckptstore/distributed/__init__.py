@@ -1,0 +1,21 @@
+"""Multi-rank checkpoints: one attempt per job, all ranks or none, and a
+``torch.distributed.checkpoint`` storage layer backed by the store.
+
+Importing this package imports torch; the core ``ckptstore`` never does.
+"""
+
+from .channel import Channel, ChannelError, CoordinatorLostError, RanksFailedError
+from .coordinator import DistributedRun, DistributedSave, open_distributed
+from .errors import RemoteError, WorldSizeMismatchError
+
+__all__ = [
+    "Channel",
+    "ChannelError",
+    "CoordinatorLostError",
+    "DistributedRun",
+    "DistributedSave",
+    "RanksFailedError",
+    "RemoteError",
+    "WorldSizeMismatchError",
+    "open_distributed",
+]

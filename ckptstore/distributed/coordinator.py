@@ -1,0 +1,422 @@
+"""One run, many ranks: the job opens the run once and saves all ranks or none.
+
+    import torch.distributed as dist
+    from ckptstore.distributed import open_distributed
+
+    dist.init_process_group("gloo")            # or nccl; messages go through the rendezvous store
+    run = open_distributed(url, "run-7", identity=identity)   # every rank calls it
+    if run.resumed_from is not None:
+        my_bytes = run.store.read(run.resumed_from, f"rank{run.rank}/model")
+    with run.save(step) as s:                  # every rank enters, with its own components
+        s.put(f"rank{run.rank}/model", data)
+    # leaving the block: every rank reports its inventory, the coordinator
+    # publishes once, every rank returns the same SaveRef (s.ref) or raises the same error
+
+Rank 0 of the group is the coordinator: it binds the identity, registers the
+single attempt, chooses the resume point and creates the commit record. The
+other ranks receive each outcome as canonical JSON (never pickle) through the
+process group's rendezvous store; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import torch.distributed as dist
+
+from .. import protocol as P
+from ..errors import (
+    CkptStoreError,
+    CommitUnknownError,
+    CorruptionError,
+    IdentityMismatchError,
+    InvalidInputError,
+    SaveAbortedError,
+)
+from ..identity import RunIdentity, identity_digest, normalize_identity
+from ..protocol.selection import SaveRef
+from ..retry import RetryPolicy
+from ..store import CheckpointStore
+from .channel import Channel, CoordinatorLostError, RanksFailedError
+from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after
+
+#: Test hooks: name -> callable run at that point on the coordinator
+#: ("before_gather", "before_publish", "after_publish"). Tests install a
+#: SIGKILL here; nothing in the library sets them.
+HOOKS: dict[str, Callable[[], None]] = {}
+
+
+def _hook(name: str) -> None:
+    fn = HOOKS.get(name)
+    if fn is not None:
+        fn()
+
+
+def _ref_json(ref: SaveRef | None) -> dict[str, Any] | None:
+    if ref is None:
+        return None
+    return {"step": ref.step, "attempt": ref.attempt, "save_id": ref.save_id, "manifest_digest": ref.manifest_digest}
+
+
+def _ref_from_json(store: CheckpointStore, d: Mapping[str, Any]) -> SaveRef:
+    ref = store.get_save(int(d["step"]), int(d["attempt"]))
+    if ref.manifest_digest != d["manifest_digest"] or ref.save_id != d["save_id"]:
+        raise CorruptionError(
+            f"run {store.run_id!r}: the commit of step {d['step']} read here differs from the coordinator's "
+            f"({ref.manifest_digest[:12]} vs {str(d['manifest_digest'])[:12]})"
+        )
+    return ref
+
+
+class DistributedRun:
+    """The job-wide handle every rank gets from :func:`open_distributed`."""
+
+    def __init__(
+        self, store: CheckpointStore, channel: Channel, *, resharded: dict[str, Any] | None, save_timeout: float
+    ) -> None:
+        self.store = store
+        self.channel = channel
+        self.rank = channel.rank
+        self.world_size = channel.world_size
+        self.save_timeout = save_timeout
+        #: ``{"from_world_size": N, "to_world_size": M, ...}`` when this attempt resharded on resume.
+        self.resharded = resharded
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.channel.is_coordinator
+
+    @property
+    def attempt(self) -> P.AttemptRecord:
+        assert self.store.attempt is not None
+        return self.store.attempt
+
+    @property
+    def resumed_from(self) -> SaveRef | None:
+        return self.store.resumed_from
+
+    def save(
+        self, step: int, *, metadata: Mapping[str, Any] | None = None, timeout: float | None = None
+    ) -> DistributedSave:
+        """Begin a save of ``step`` on every rank (collective: every rank calls it)."""
+        return DistributedSave(self, step, dict(metadata or {}), self.save_timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class DistributedSave:
+    """One all-ranks-or-none save. Use as a context manager on every rank."""
+
+    def __init__(self, run: DistributedRun, step: int, metadata: dict[str, Any], timeout: float) -> None:
+        P.validate_step(step)
+        try:
+            P.canonical_json(metadata)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"save metadata must be JSON-representable: {exc}") from None
+        self.run = run
+        self.step = step
+        self.metadata = metadata
+        self.timeout = timeout
+        self.ref: SaveRef | None = None
+        ch = run.channel
+        self._tag = ch.next()
+        if ch.is_coordinator:
+            try:
+                sid = run.store.new_save_id(step)
+                msg: dict[str, Any] = {"ok": True, "save_id": sid}
+            except Exception as exc:
+                ch.post(self._tag, "sid", {"ok": False, "error": error_to_json(exc)})
+                raise
+            ch.post(self._tag, "sid", msg)
+        else:
+            try:
+                msg = ch.receive(self._tag, "sid")
+            except CoordinatorLostError as exc:
+                raise SaveAbortedError(f"save of step {step}: the coordinator (rank 0) did not start it ({exc})") from exc
+            if not msg.get("ok"):
+                raise error_from_json(msg["error"])
+        self.save_id: str = str(msg["save_id"])
+        self._staged = run.store.stage(step, save_id=self.save_id)
+
+    def put(self, name: str, data: Any) -> P.ComponentEntry:
+        """Write one of this rank's components (hashed while written). Names
+        must be unique across ranks (e.g. prefix them with the rank)."""
+        return self._staged.put(name, data)
+
+    @property
+    def components(self) -> dict[str, P.ComponentEntry]:
+        return self._staged.components
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is not None:
+            self._staged.abort()
+            report: dict[str, Any] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        else:
+            comps = self._staged.components
+            report = {"ok": True, "components": {n: [c.size, c.blake3] for n, c in sorted(comps.items())}}
+        if exc is not None and not isinstance(exc, Exception):
+            # KeyboardInterrupt, SystemExit: tell the others, then let it propagate unchanged
+            with contextlib.suppress(CkptStoreError):
+                self._finish(report)
+            return
+        self.ref = self._finish(report)
+
+    # ----------------------------------------------------------------- finish
+    def _finish(self, report: dict[str, Any]) -> SaveRef:
+        ch = self.run.channel
+        ch.post(self._tag, "inventory", report)
+        if ch.is_coordinator:
+            return self._coordinate()
+        return self._follow()
+
+    def _coordinate(self) -> SaveRef:
+        ch, store = self.run.channel, self.run.store
+        err: BaseException | None = None
+        ref: SaveRef | None = None
+        alive = list(range(1, ch.world_size))
+        try:
+            _hook("before_gather")
+            try:
+                invs = ch.gather(self._tag, "inventory", timeout=self.timeout)
+            except RanksFailedError as exc:
+                alive = [r for r in alive if r not in exc.ranks]
+                raise SaveAbortedError(
+                    f"save of step {self.step}: {exc}; nothing was published, the previous save stays selected"
+                ) from exc
+            failed = {r: str(i.get("error")) for r, i in sorted(invs.items()) if not i.get("ok")}
+            if failed:
+                shown = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+                raise SaveAbortedError(
+                    f"save of step {self.step}: rank(s) {', '.join(map(str, failed))} failed ({shown}); "
+                    "nothing was published, the previous save stays selected"
+                )
+            comps: dict[str, P.ComponentEntry] = {}
+            owner: dict[str, int] = {}
+            ranks: dict[int, list[str]] = {}
+            for r, inv in sorted(invs.items()):
+                names = []
+                for n, (size, digest) in dict(inv["components"]).items():
+                    if n in owner:
+                        raise SaveAbortedError(
+                            f"save of step {self.step}: component {n!r} was written by rank {owner[n]} and rank {r}; "
+                            "component names must be unique across ranks (prefix them with the rank)"
+                        )
+                    owner[n] = r
+                    comps[n] = P.ComponentEntry(n, int(size), str(digest))
+                    names.append(n)
+                ranks[r] = sorted(names)
+            _hook("before_publish")
+            ref = store.publish(
+                self.step, self.save_id, comps, metadata=self.metadata, ranks=ranks, world_size=ch.world_size
+            )
+            _hook("after_publish")
+            outcome: dict[str, Any] = {"ok": True, "ref": _ref_json(ref)}
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
+            err = exc
+            outcome = {"ok": False, "error": error_to_json(exc)}
+        ch.post(self._tag, "outcome", outcome)
+        if err is not None and may_delete_after(err):
+            self._staged.abort()
+        # Keep the rendezvous store (hosted here) up until the members read the outcome.
+        try:
+            ch.gather(self._tag, "ack", ranks=alive, timeout=min(ch.timeout, 60.0))
+        except (RanksFailedError, CoordinatorLostError):
+            pass
+        if err is not None:
+            raise err
+        assert ref is not None
+        return ref
+
+    def _follow(self) -> SaveRef:
+        ch, store = self.run.channel, self.run.store
+        try:
+            outcome = ch.receive(self._tag, "outcome", timeout=self.timeout + ch.timeout)
+        except CoordinatorLostError as exc:
+            # The coordinator may or may not have created the commit record: delete nothing.
+            raise CommitUnknownError(
+                f"save of step {self.step} ({self.save_id}): rank 0 (the coordinator) did not send the outcome ({exc}); "
+                "the commit may or may not exist. Nothing was deleted; latest_complete() tells what landed."
+            ) from exc
+        try:
+            ch.post(self._tag, "ack", {})
+        except CoordinatorLostError:
+            pass
+        if not outcome.get("ok"):
+            err = error_from_json(outcome["error"])
+            if may_delete_after(err):
+                self._staged.abort()
+            raise err
+        return _ref_from_json(store, outcome["ref"])
+
+
+def _identity_dict(identity: RunIdentity | Mapping[str, Any]) -> dict[str, Any]:
+    return normalize_identity(identity)
+
+
+def open_distributed(
+    url: str | os.PathLike[str],
+    run_id: str,
+    *,
+    identity: RunIdentity | Mapping[str, Any],
+    group: dist.ProcessGroup | None = None,
+    timeout: float = 300.0,
+    save_timeout: float = 1800.0,
+    storage_options: Mapping[str, Any] | None = None,
+    resume_from: int | None | Literal["latest"] = "latest",
+    resume_verify: Literal["deep", "cheap"] = "deep",
+    reshard: bool = False,
+    retry: RetryPolicy | None = None,
+) -> DistributedRun:
+    """Open ``run_id`` for writing from every rank of ``group`` (collective).
+
+    The coordinator (group rank 0) binds the identity, registers the one
+    attempt of this job and chooses the resume point; the other ranks join
+    that attempt. Every rank gets the same outcome, or raises the same error.
+
+    ``identity["world_size"]`` (when present) must equal the group size. A
+    save written with another number of ranks is not resumed (every rank
+    raises :class:`IdentityMismatchError`, or :class:`WorldSizeMismatchError`
+    when the identity does not name a world size) unless ``reshard=True``: the
+    run is then continued under its bound identity and a ``reshard`` event is
+    recorded. Only a loader that reshards (the DCP reader) can use such a
+    resume point.
+
+    ``timeout``: deadline of each control message (seconds). ``save_timeout``:
+    how long the coordinator waits for every rank's inventory of a save (and
+    how much longer than ``timeout`` the other ranks wait for the outcome of
+    the open, which includes the deep check of the resume point).
+
+    Every rank must make the same collective calls (open, each ``save``) in
+    the same order, from one thread at a time.
+    """
+    ch = Channel(group, timeout=timeout, name=P.validate_run_id(run_id))
+    ident = _identity_dict(identity)
+    tag = ch.next()
+    ch.post(tag, "hello", {"identity_digest": identity_digest(ident)})
+    if ch.is_coordinator:
+        store: CheckpointStore | None = None
+        resharded: dict[str, Any] | None = None
+        err: BaseException | None = None
+        try:
+            hellos = ch.gather(tag, "hello")
+            other = sorted(r for r, h in hellos.items() if h.get("identity_digest") != identity_digest(ident))
+            if other:
+                raise InvalidInputError(
+                    f"run {run_id!r}: rank(s) {', '.join(map(str, other))} opened it with another identity than rank 0"
+                )
+            store, resharded = _coordinator_open(
+                url, run_id, ident, ch.world_size, storage_options=storage_options, resume_from=resume_from,
+                resume_verify=resume_verify, reshard=reshard, retry=retry,
+            )
+            assert store.attempt is not None
+            outcome: dict[str, Any] = {
+                "ok": True, "attempt": store.attempt.number, "identity": store.identity,
+                "resumed_from": _ref_json(store.resumed_from), "resharded": resharded,
+            }
+        except Exception as exc:  # noqa: BLE001
+            err = exc
+            outcome = {"ok": False, "error": error_to_json(exc)}
+        ch.post(tag, "outcome", outcome)
+        if err is not None:
+            raise err
+        assert store is not None
+        try:
+            joined = ch.gather(tag, "joined", ranks=range(1, ch.world_size))
+            bad = {r: j["error"] for r, j in sorted(joined.items()) if not j.get("ok")}
+            if bad:
+                raise error_from_json(next(iter(bad.values())))
+            ready: dict[str, Any] = {"ok": True}
+        except Exception as exc:
+            ready = {"ok": False, "error": error_to_json(exc)}
+            ch.post(tag, "ready", ready)
+            store.close()
+            raise
+        ch.post(tag, "ready", ready)
+        return DistributedRun(store, ch, resharded=resharded, save_timeout=save_timeout)
+    # ------------------------------------------------------------- members
+    # Members wait longer than the coordinator's own deadlines, so a coordinator
+    # that gives up on a rank still reaches everyone else with its answer; the
+    # coordinator's open includes the deep check of the resume point (every
+    # byte re-hashed), which is bounded by save_timeout like a save.
+    outcome = ch.receive(tag, "outcome", timeout=2 * timeout + save_timeout)
+    if not outcome.get("ok"):
+        raise error_from_json(outcome["error"])
+    member: CheckpointStore | None = None
+    try:
+        member = CheckpointStore.open(
+            url, run_id, identity=outcome["identity"], join_attempt=int(outcome["attempt"]),
+            storage_options=storage_options, retry=retry,
+        )
+        if outcome["resumed_from"] is not None and member.resumed_from is None:
+            member.resumed_from = _ref_from_json(member, outcome["resumed_from"])
+        ch.post(tag, "joined", {"ok": True})
+    except Exception as exc:
+        ch.post(tag, "joined", {"ok": False, "error": error_to_json(CkptStoreError(f"rank {ch.rank}: {exc}"))})
+        if member is not None:
+            member.close()
+        raise
+    ready = ch.receive(tag, "ready", timeout=2 * timeout)
+    if not ready.get("ok"):
+        member.close()
+        raise error_from_json(ready["error"])
+    return DistributedRun(member, ch, resharded=outcome.get("resharded"), save_timeout=save_timeout)
+
+
+def _coordinator_open(
+    url: str | os.PathLike[str],
+    run_id: str,
+    ident: dict[str, Any],
+    world_size: int,
+    *,
+    storage_options: Mapping[str, Any] | None,
+    resume_from: int | None | Literal["latest"],
+    resume_verify: Literal["deep", "cheap"],
+    reshard: bool,
+    retry: RetryPolicy | None,
+) -> tuple[CheckpointStore, dict[str, Any] | None]:
+    want = ident.get("world_size")
+    if want is not None and want != world_size:
+        raise WorldSizeMismatchError(
+            f"run {run_id!r}: the identity says world_size={want!r}, but the process group has {world_size} ranks"
+        )
+
+    def _open(identity: dict[str, Any]) -> CheckpointStore:
+        return CheckpointStore.open(
+            url, run_id, identity=identity, storage_options=storage_options, resume_from=resume_from,
+            retry=retry, resume_verify=resume_verify, single_writer=True,  # the job's one coordinator
+        )
+
+    resharded: dict[str, Any] | None = None
+    try:
+        store = _open(ident)
+    except IdentityMismatchError as exc:
+        if not (reshard and exc.fields == ["world_size"]):
+            raise
+        stored_ws = exc.details["world_size"][0]
+        store = _open({**ident, "world_size": stored_ws})
+        resharded = {"from_world_size": stored_ws, "to_world_size": world_size}
+    ref = store.resumed_from
+    saved_ws = ref.record.world_size if ref is not None else None
+    if saved_ws is not None and saved_ws != world_size:
+        if not reshard:
+            store.close()
+            raise WorldSizeMismatchError(
+                f"run {run_id!r}: the save being resumed (step {ref.step if ref else '?'}) was written by "
+                f"{saved_ws} ranks, this job has {world_size}; pass reshard=True and load it with the DCP reader "
+                "to reshard"
+            )
+        resharded = {"from_world_size": saved_ws, "to_world_size": world_size}
+    if resharded is not None:
+        resharded["resumed_from"] = ref.step if ref is not None else None
+        store.record_event("reshard", resharded)
+    return store, resharded

@@ -1,0 +1,193 @@
+"""The DCP ``StorageReader`` of :mod:`ckptstore.distributed.dcp` (see there)."""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from typing import Any
+
+import blake3
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..errors import CorruptionError, NotFoundError
+from ..protocol.selection import SaveRef
+from ..store import CheckpointStore
+from .coordinator import DistributedRun
+from .dcp import METADATA_COMPONENT, PickleRefusedError, StoreWriter, _ref_json, _step_of, _store_of
+from .dcp_metadata import ItemInfo, StorageData, decode_metadata, dtype_from_name
+
+
+class StoreReader(StorageReader):
+    """A DCP ``StorageReader`` reading one committed save of the store.
+
+    Which save: ``ref`` if given; else ``checkpoint_id=step`` passed to
+    ``dcp.load`` (the highest committed attempt of that step); else, with a
+    :class:`DistributedRun`, the save this attempt resumed from (the same on
+    every rank); else ``latest_complete()``. Every byte range read is checked
+    against its item's BLAKE3 digest. BYTE_IO items are unpickled only with
+    ``allow_pickle=True``.
+    """
+
+    def __init__(
+        self,
+        target: DistributedRun | CheckpointStore,
+        ref: SaveRef | None = None,
+        *,
+        allow_pickle: bool = False,
+        coalesce_bytes: int = 64 << 20,
+        _extension_registry: ExtensionRegistry | None = None,
+    ) -> None:
+        super().__init__()
+        self.target = target
+        self.store = _store_of(target)
+        self.ref = ref
+        self.allow_pickle = allow_pickle
+        self.coalesce_bytes = coalesce_bytes
+        self.transforms = _StorageReaderTransforms(_extension_registry)
+        self._step: int | None = None
+        self._items: dict[MetadataIndex, ItemInfo] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        step = _step_of(checkpoint_id)
+        if step is not None:
+            self._step = step
+            self.ref = None
+        self._items = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return StoreWriter.validate_checkpoint_id(checkpoint_id)
+
+    def _resolve(self) -> SaveRef:
+        if self.ref is not None:
+            return self.ref
+        if self._step is not None:
+            ref = self.store.get_save(self._step)
+        elif isinstance(self.target, DistributedRun) and self.target.resumed_from is not None:
+            ref = self.target.resumed_from
+        else:
+            latest = self.store.latest_complete()
+            if latest is None:
+                raise NotFoundError(f"run {self.store.run_id!r} has no complete save to load")
+            ref = latest
+        self.ref = ref
+        return ref
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise NotFoundError("ckptstore saves have one global metadata document, no per-rank metadata")
+        ref = self._resolve()
+        if METADATA_COMPONENT not in ref.components:
+            raise NotFoundError(f"save {ref.save_id} (step {ref.step}) was not written by the DCP StoreWriter")
+        md, items = decode_metadata(self.store.read(ref, METADATA_COMPONENT), f"{ref.save_id}/{METADATA_COMPONENT}")
+        md.storage_data = StorageData(items, _ref_json(ref))
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        sd = metadata.storage_data
+        if not isinstance(sd, StorageData):
+            raise CorruptionError("DCP metadata was not produced by StoreReader.read_metadata")
+        self._items = sd.items
+        ref = self._resolve()
+        if ref.manifest_digest != sd.ref["manifest_digest"]:
+            # another rank resolved another save: read the one the metadata belongs to
+            ref = self.store.get_save(int(sd.ref["step"]), int(sd.ref["attempt"]))
+            if ref.manifest_digest != sd.ref["manifest_digest"]:
+                raise CorruptionError(f"save {sd.ref['save_id']} changed while it was being loaded")
+            self.ref = ref
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        ref = self._resolve()
+        per_comp: dict[str, list[tuple[ItemInfo, ReadItem]]] = {}
+        for req in plan.items:
+            info = self._items.get(req.storage_index)
+            if info is None:
+                raise CorruptionError(f"save {ref.save_id}: no stored item for {req.storage_index}")
+            if info.component not in ref.components:
+                raise CorruptionError(f"save {ref.save_id}: item {req.storage_index.fqn} names a missing component")
+            per_comp.setdefault(info.component, []).append((info, req))
+        for comp, reqs in per_comp.items():
+            reqs.sort(key=lambda x: x[0].offset)
+            for group in self._coalesce(reqs):
+                start = group[0][0].offset
+                end = max(i.offset + i.length for i, _ in group)
+                blob = self.store.read_range(ref, comp, start, end)
+                if len(blob) != end - start:
+                    raise CorruptionError(f"{comp}: short read [{start}, {end}) of save {ref.save_id}")
+                view = memoryview(blob)
+                for info, req in group:
+                    raw = view[info.offset - start : info.offset - start + info.length]
+                    if blake3.blake3(raw).hexdigest() != info.blake3:
+                        raise CorruptionError(
+                            f"save {ref.save_id}: item {req.storage_index.fqn} (bytes {info.offset}+{info.length} "
+                            f"of {comp}) does not match its BLAKE3 digest"
+                        )
+                    self._load_item(info, req, raw, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _coalesce(self, reqs: list[tuple[ItemInfo, ReadItem]]) -> list[list[tuple[ItemInfo, ReadItem]]]:
+        groups: list[list[tuple[ItemInfo, ReadItem]]] = []
+        for info, req in reqs:
+            if groups:
+                g = groups[-1]
+                g_start = g[0][0].offset
+                g_end = max(i.offset + i.length for i, _ in g)
+                if info.offset <= g_end + 4096 and info.offset + info.length - g_start <= self.coalesce_bytes:
+                    g.append((info, req))
+                    continue
+            groups.append([(info, req)])
+        return groups
+
+    def _load_item(self, info: ItemInfo, req: ReadItem, raw: memoryview, planner: LoadPlanner) -> None:
+        data: bytes | memoryview = raw
+        if info.transforms:
+            stream = self.transforms.transform_load_stream(req, info.transforms, io.BytesIO(bytes(raw)))
+            data = stream.read(-1)
+        if req.type == LoadItemType.BYTE_IO:
+            if not self.allow_pickle:
+                raise PickleRefusedError(
+                    f"item {req.storage_index.fqn!r} is a pickled Python object (DCP stores non-tensor values with "
+                    "torch.save); unpickling runs arbitrary code. Pass allow_pickle=True to StoreReader only for "
+                    "checkpoints you trust, or keep non-tensor state out of the DCP state dict"
+                )
+            planner.load_bytes(req, io.BytesIO(bytes(data)))
+            return
+        if info.dtype is None or info.shape is None:
+            raise CorruptionError(f"item {req.storage_index.fqn!r}: tensor without dtype/shape")
+        dtype = dtype_from_name(info.dtype)
+        n = 1
+        for s in info.shape:
+            n *= s
+        if n * dtype.itemsize != len(data):
+            raise CorruptionError(f"item {req.storage_index.fqn!r}: {len(data)} bytes for shape {info.shape}")
+        if n == 0:
+            tensor = torch.empty(info.shape, dtype=dtype)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only buffer: the tensor is only copied from
+                tensor = torch.frombuffer(data, dtype=dtype).reshape(info.shape)
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CorruptionError(f"item {req.storage_index.fqn!r}: size {tuple(tensor.size())}, "
+                                  f"expected {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)

@@ -1,0 +1,411 @@
+"""Lightning ``CheckpointIO`` backed by a :class:`~ckptstore.CheckpointStore`.
+
+``Trainer(plugins=[StoreCheckpointIO(url, run_id, identity=...)])`` makes every
+checkpoint Lightning writes (``ModelCheckpoint``, ``trainer.save_checkpoint``)
+one crash-consistent save in the store, and puts a small *pointer file* at the
+path Lightning asked for, so that Lightning's own bookkeeping (file exists,
+``-v1`` versions, ``last.ckpt``, top-k removal, ``ckpt_path=...``) keeps working.
+
+Save, in this order:
+
+1. the checkpoint dict is split per top-level key: tensors go to one
+   safetensors component per key (``tensors/<key>.safetensors``), everything
+   else to ``checkpoint.json`` as the tagged JSON of :mod:`ckptstore.torch.codec`
+   (nothing is pickled; an object it cannot represent is refused here, with its
+   key path, before anything is written);
+2. the save is committed (the store's atomic publication);
+3. the pointer is written atomically (local: temp file + fsync + rename +
+   directory fsync; remote: one fsspec PUT, atomic on object stores).
+
+A crash before 3 leaves no pointer (Lightning sees no file; the store may hold
+a complete save, which :func:`write_pointer_for_latest` can point to). A
+pointer always names a committed save.
+
+A second checkpoint at the same ``global_step`` in the same process (the
+``last.ckpt`` beside the top-k file, a second ``ModelCheckpoint``,
+``trainer.save_checkpoint`` after ``fit``) does not write the tensors again:
+each key's tensors are hashed and compared with the save's component digests;
+keys whose tensors and tree are identical are referenced, keys that differ
+(callback scores, loop counters) are carried inside the pointer, digest-checked,
+up to ``max_inline_bytes``. Different large tensors at the same step are
+refused (a store holds one save per step and attempt).
+
+``remove_checkpoint`` removes only the pointer; the bytes are the store's and
+go through its gc. Loading reads the pointer, checks that the save it names
+still has the same manifest digest, and reads every component verified
+against its BLAKE3 digest.
+
+Pointer file (JSON, one object)::
+
+    {"format": "ckptstore.lightning-pointer/1", "store": URL, "run_id": ...,
+     "step": N, "attempt": A, "save_id": ..., "manifest_digest": ...,
+     "keys": [top-level keys in order], "inline": {key: {"tree": ..., "tensors": base64 safetensors | null}},
+     "inline_digest": BLAKE3 of the canonical JSON of "inline"}
+
+A dict without an integer ``global_step`` is not a training checkpoint (Lightning's
+spawn launcher hands the trained weights to the main process this way): it is
+written at the path as one self-describing safetensors file (the JSON tree in
+its metadata), outside the store, and read back by ``load_checkpoint``.
+
+Multi-process: Lightning calls ``save_checkpoint`` on global rank 0 only. The
+store is opened for writing lazily, at the first save, so only that process
+registers an attempt; pass ``url``/``run_id``/``identity`` (not an open store)
+when the strategy spawns processes (the plug-in then pickles; one built on an
+open store refuses to).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _PATH
+
+from ..errors import (
+    CommitConflictError,
+    CorruptionError,
+    InvalidInputError,
+    NotFoundError,
+)
+from ..identity import RunIdentity
+from ..store import CheckpointStore, SaveRef
+from ..torch.codec import (
+    TypeRegistry,
+    load_safetensors,
+    safetensors_stream,
+    tree_from_json,
+    tree_to_json,
+    unflatten,
+)
+from .lightning_files import (
+    DEFAULT_MAX_INLINE_BYTES,
+    DETACHED_FORMAT,
+    DOC_COMPONENT,
+    FORMAT,
+    POINTER_FORMAT,
+    _canonical,
+    _detached_meta,
+    _digest,
+    _encode,
+    _is_remote,
+    _local,
+    _map,
+    _parse_pointer,
+    _Part,
+    _pointer,
+    _read_file,
+    _tensor_bytes,
+    _write_atomic,
+    read_pointer,
+    write_pointer_for_latest,
+)
+
+__all__ = [
+    "DOC_COMPONENT",
+    "FORMAT",
+    "POINTER_FORMAT",
+    "AsyncStoreCheckpointIO",  # noqa: F822 - provided by __getattr__ (lightning_async)
+    "StoreCheckpointIO",
+    "load_module",
+    "read_pointer",
+    "write_pointer_for_latest",
+]
+
+
+# ------------------------------------------------------------------ the plug-in
+
+
+@dataclass
+class _Published:
+    ref: SaveRef
+    trees: dict[str, bytes]  # key -> canonical JSON of its tree
+    digests: dict[str, str | None]  # key -> tensor component digest
+
+
+class StoreCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves into a ckptstore run.
+
+    Pass an open writable ``store``, or ``url``, ``run_id`` and ``identity``
+    (opened at the first save, on the process that saves); with none of them
+    it only loads (a pointer names its own store). ``registry``: the
+    enums and dataclasses allowed in checkpoints (default: the process-wide
+    :data:`ckptstore.torch.codec.TYPES`).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore | None = None,
+        *,
+        url: str | None = None,
+        run_id: str | None = None,
+        identity: RunIdentity | Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        registry: TypeRegistry | None = None,
+        max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+    ) -> None:
+        self.read_only = store is None and url is None and run_id is None and identity is None
+        if store is None and not self.read_only and (url is None or run_id is None or identity is None):
+            raise InvalidInputError("StoreCheckpointIO needs a writable store, or url=, run_id= and identity=")
+        if store is not None and store.mode != "w":
+            raise InvalidInputError("StoreCheckpointIO needs a store opened for writing (identity=...)")
+        self._store = store
+        self._url = url
+        self._run_id = run_id
+        self._identity = identity
+        self.storage_options = dict(storage_options or {})
+        self.registry = registry
+        self.max_inline_bytes = max_inline_bytes
+        self._given_store = store is not None
+        self._lock = threading.Lock()
+        self._published: dict[int, _Published] = {}
+        self._readers: dict[tuple[str, str], CheckpointStore] = {}
+
+    # ------------------------------------------------------------------ pickling (ddp_spawn sends plug-ins to workers)
+    def __getstate__(self) -> dict[str, Any]:
+        if self._given_store:
+            raise TypeError(
+                "a StoreCheckpointIO built on an open store cannot be sent to another process; "
+                "construct it with url=, run_id= and identity= (it opens the store where it saves)"
+            )
+        state = dict(self.__dict__)
+        state.update(_store=None, _lock=None, _published={}, _readers={})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ store
+    @property
+    def store(self) -> CheckpointStore:
+        """The writable store (opened now if it was given by URL)."""
+        with self._lock:
+            if self._store is None:
+                if self.read_only:
+                    raise InvalidInputError(
+                        "this StoreCheckpointIO was made without a store (for loading only); "
+                        "pass a writable store, or url=, run_id= and identity= to save"
+                    )
+                assert self._url is not None and self._run_id is not None
+                self._store = CheckpointStore.open(
+                    self._url, self._run_id, identity=self._identity, storage_options=self.storage_options or None
+                )
+            return self._store
+
+    def _reader(self, url: str, run_id: str) -> CheckpointStore:
+        if self._store is not None and self._store.backend.url == url and self._store.run_id == run_id:
+            return self._store
+        key = (url, run_id)
+        if key not in self._readers:
+            self._readers[key] = CheckpointStore.open(
+                url, run_id, mode="r", storage_options=self.storage_options or None
+            )
+        return self._readers[key]
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by StoreCheckpointIO; "
+                "pass storage_options when constructing it"
+            )
+        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            self._save_detached(checkpoint, path)
+            return
+        parts = _encode(checkpoint, self.registry)  # refuses unrepresentable objects before any write
+        store = self.store
+        keys = list(parts)
+        with self._lock:
+            pub = self._published.get(step)
+        if pub is None or pub.ref.attempt != (store.attempt.number if store.attempt else None):
+            pub = self._publish(store, step, parts, os.fspath(path))
+        data = _pointer(pub.ref, store.backend.url, keys, self._inline(pub, parts, step))
+        _write_atomic(path, data)
+
+    def _save_detached(self, checkpoint: Mapping[str, Any], path: _PATH) -> None:
+        parts = _encode(checkpoint, self.registry)  # same refusals, same messages
+        tensors = {f"{i}/{k}": t for i, p in enumerate(parts.values()) for k, t in p.tensors.items()}
+        doc = {"keys": list(parts), "trees": {k: p.tree for k, p in parts.items()}}
+        _size, chunks = safetensors_stream(tensors, {"format": DETACHED_FORMAT, "doc": tree_to_json(doc).decode()})
+        _write_atomic(path, b"".join(bytes(c) for c in chunks))
+
+    def _load_detached(self, raw: bytes, path: _PATH, map_location: Any) -> dict[str, Any]:
+        doc = tree_from_json(_detached_meta(raw)["doc"].encode())
+        tensors = _map(load_safetensors(raw), map_location)
+        out: dict[str, Any] = {}
+        for i, key in enumerate(doc["keys"]):
+            mine = {k.split("/", 1)[1]: t for k, t in tensors.items() if k.split("/", 1)[0] == str(i)}
+            out[key] = unflatten(doc["trees"][key], mine, registry=self.registry)
+        return out
+
+    def _publish(self, store: CheckpointStore, step: int, parts: dict[str, _Part], path: str) -> _Published:
+        doc = {
+            "format": FORMAT,
+            "keys": list(parts),
+            "trees": {k: p.tree for k, p in parts.items()},
+            "tensor_components": {k: p.component for k, p in parts.items() if p.component},
+        }
+        try:
+            doc_bytes = tree_to_json(doc)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"checkpoint cannot be encoded as JSON: {exc}") from None
+        comps = {p.component: p for p in parts.values() if p.component}
+        metadata: dict[str, Any] = {"format": FORMAT, "first_path": os.path.basename(path)}
+        if isinstance(parts.get("epoch"), _Part) and isinstance(parts["epoch"].tree, int):
+            metadata["epoch"] = parts["epoch"].tree
+        try:
+            with store.save(step, metadata=metadata, expect=[DOC_COMPONENT, *comps]) as s:
+                for name, p in sorted(comps.items()):
+                    _size, chunks = safetensors_stream(p.tensors)
+                    p.digest = s.put(name, chunks).blake3
+                s.put(DOC_COMPONENT, doc_bytes)
+            assert s.ref is not None
+            ref = s.ref
+            pub = _Published(
+                ref,
+                {k: _canonical(p.tree) for k, p in parts.items()},
+                {k: p.digest for k, p in parts.items()},
+            )
+        except CommitConflictError:
+            # another writer of this attempt (another plug-in instance) committed this step first
+            assert store.attempt is not None
+            ref = store.get_save(step, store.attempt.number)
+            pub = self._load_published(store, ref)
+        with self._lock:
+            self._published[step] = pub
+            for old in sorted(self._published)[:-8]:  # a step is revisited only right after its save
+                del self._published[old]
+        return pub
+
+    def _load_published(self, store: CheckpointStore, ref: SaveRef) -> _Published:
+        doc = tree_from_json(store.read(ref, DOC_COMPONENT))
+        comps: dict[str, str] = doc["tensor_components"]
+        return _Published(
+            ref,
+            {k: _canonical(t) for k, t in doc["trees"].items()},
+            {k: (ref.components[comps[k]].blake3 if k in comps else None) for k in doc["trees"]},
+        )
+
+    def _inline(self, pub: _Published, parts: dict[str, _Part], step: int) -> dict[str, Any]:
+        """Keys whose content differs from the published save, carried in the pointer."""
+        inline: dict[str, Any] = {}
+        total = 0
+        for key, p in parts.items():
+            tree = _canonical(p.tree)
+            if pub.trees.get(key) == tree and pub.digests.get(key, "absent") == _digest(p):
+                continue  # identical: referenced from the save
+            total += len(tree) + p.size
+            if total > self.max_inline_bytes:
+                raise InvalidInputError(
+                    f"step {step} was already saved in this attempt with different content under "
+                    f"{key!r} ({p.size} bytes of tensors); a store holds one save per step and attempt — "
+                    "save different weights at a different global_step"
+                )
+            inline[key] = {
+                "tree": p.tree,
+                "tensors": base64.b64encode(_tensor_bytes(p.tensors)).decode() if p.tensors else None,
+            }
+        return inline
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Read the save the pointer at ``path`` names. ``weights_only`` is accepted and
+        moot: nothing is unpickled. Tensors come back on the CPU unless
+        ``map_location`` is a device or device string."""
+        raw = _read_file(path)
+        if _detached_meta(raw).get("format") == DETACHED_FORMAT:
+            return self._load_detached(raw, path, map_location)
+        ptr = _parse_pointer(raw, path)
+        store = self._reader(ptr["store"], ptr["run_id"])
+        try:
+            ref = store.get_save(ptr["step"], ptr["attempt"])
+        except NotFoundError:
+            raise CorruptionError(
+                f"{os.fspath(path)}: points to step {ptr['step']} attempt {ptr['attempt']} of run "
+                f"{ptr['run_id']!r} at {ptr['store']}, which has no such commit (collected by gc?)"
+            ) from None
+        if ref.save_id != ptr["save_id"] or ref.manifest_digest != ptr["manifest_digest"]:
+            raise CorruptionError(
+                f"{os.fspath(path)}: the save's manifest digest is {ref.manifest_digest}, the pointer says "
+                f"{ptr['manifest_digest']}; refusing to load"
+            )
+        doc = tree_from_json(store.read(ref, DOC_COMPONENT))
+        if doc.get("format") != FORMAT:
+            raise CorruptionError(f"save {ref.save_id}: unknown format {doc.get('format')!r}")
+        out: dict[str, Any] = {}
+        for key in ptr["keys"]:
+            if key in ptr["inline"]:
+                item = ptr["inline"][key]
+                raw = item.get("tensors")
+                tensors = load_safetensors(base64.b64decode(raw)) if raw else {}
+                tree = item["tree"]
+            else:
+                if key not in doc["trees"]:
+                    raise CorruptionError(f"{os.fspath(path)}: key {key!r} is neither inline nor in save {ref.save_id}")
+                comp = doc["tensor_components"].get(key)
+                tensors = load_safetensors(store.read(ref, comp)) if comp else {}
+                tree = doc["trees"][key]
+            tensors = _map(tensors, map_location)
+            out[key] = unflatten(tree, tensors, registry=self.registry)
+        return out
+
+    # ------------------------------------------------------------------ remove
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Remove the pointer only; the save stays in the store until gc."""
+        p = os.fspath(path)
+        if _is_remote(p):
+            fs = get_filesystem(p)
+            if fs.exists(p):
+                fs.rm(p)
+            return
+        try:
+            os.remove(_local(p))
+        except FileNotFoundError:
+            pass
+
+
+def load_module(
+    cls: Any,
+    path: _PATH,
+    *,
+    map_location: Any | None = None,
+    strict: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    registry: TypeRegistry | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(path)`` for a pointer file (which ``torch.load`` cannot read).
+
+    Builds the ``LightningModule`` (or ``LightningDataModule``) from the saved
+    hyper-parameters (``kwargs`` override them) and loads its state, as
+    Lightning's own ``load_from_checkpoint`` does after its ``torch.load``.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.core.saving import _load_state
+    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+    io = StoreCheckpointIO(storage_options=storage_options, registry=registry)
+    checkpoint = _pl_migrate_checkpoint(io.load_checkpoint(path, map_location), checkpoint_path=os.fspath(path))
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return _load_state(cls, checkpoint, **kwargs)
+    return _load_state(cls, checkpoint, strict=strict, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``AsyncStoreCheckpointIO`` lives in :mod:`.lightning_async` (it builds on this module)."""
+    if name == "AsyncStoreCheckpointIO":
+        from .lightning_async import AsyncStoreCheckpointIO
+
+        return AsyncStoreCheckpointIO
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -69,9 +69,13 @@ class RunIO:
             except TransientError as exc:
                 uncertain = True
                 if i == policy.attempts - 1:
+                    consequence = (
+                        "if it did, this process holds that attempt and has fenced off older writers"
+                        if what == "attempt record" else "treat this save as not acknowledged"
+                    )
                     raise CommitUnknownError(
                         f"{self.where(key)}: the {what} create failed {policy.attempts} times ({redact_text(str(exc))}); "
-                        "it may or may not have landed. Treat this save as not acknowledged."
+                        f"it may or may not have landed: {consequence}."
                     ) from exc
                 policy.backoff(i)
                 continue

@@ -22,6 +22,7 @@ from .errors import (
     CommitUnknownError,
     CorruptionError,
     InvalidInputError,
+    NotFoundError,
     SaveAbortedError,
     StoreUnavailableError,
     SupersededError,
@@ -161,6 +162,27 @@ def _verify_inventory(ctx: WriterContext, step: int, save_id: str, comps: Mappin
             )
 
 
+def _settle_failed_commit(
+    ctx: WriterContext, key: str, data: bytes, save_id: str, comps: Mapping[str, ComponentEntry], exc: Exception
+) -> None:
+    try:
+        there = ctx.io.get_bounded(key, len(data))
+    except NotFoundError:
+        remove_components(ctx.io, save_id, comps)  # nothing published; the caller re-raises the failure
+        return
+    except StoreUnavailableError as again:
+        raise CommitUnknownError(
+            f"{ctx.io.where(key)}: the commit record's create failed ({redact_text(str(exc))}) and it cannot be "
+            f"read back ({redact_text(str(again))}); treat the save as not acknowledged"
+        ) from exc
+    if there == data:
+        raise CommitUnknownError(
+            f"{ctx.io.where(key)}: the commit record landed but its create reported a failure "
+            f"({redact_text(str(exc))}); treat the save as not acknowledged — latest_complete() tells whether "
+            "it is selectable"
+        ) from exc
+
+
 def publish(
     ctx: WriterContext,
     step: int,
@@ -218,7 +240,21 @@ def publish(
         ranks=rank_map,
         world_size=world_size,
     ), ctx.io.run_id)
-    if not ctx.io.create(commit_key(ctx.io.run_id, step, ctx.attempt.number), record.encode(), what="commit record"):
+    key = commit_key(ctx.io.run_id, step, ctx.attempt.number)
+    data = record.encode()
+    try:
+        created = ctx.io.create(key, data, what="commit record")
+    except CommitUnknownError:
+        raise  # may have landed: keep the components
+    except StoreUnavailableError as exc:
+        # A definite failure (e.g. no space left for the record). If the record is
+        # not there, nothing was published: remove the save's bytes now instead of
+        # leaving them on a full disk until gc, and re-raise the failure. If it is
+        # there (the failure came after it landed), the outcome is unknown
+        # (CommitUnknownError) and nothing is removed.
+        _settle_failed_commit(ctx, key, data, save_id, comps, exc)
+        raise
+    if not created:
         remove_components(ctx.io, save_id, comps)
         raise CommitConflictError(
             f"run {ctx.io.run_id!r}: step {step} was already committed by another writer of "

@@ -97,3 +97,26 @@ def test_exception_in_block_publishes_nothing(backend) -> None:  # type: ignore[
     with pytest.raises(SaveAbortedError):
         with st.save(2):
             pass
+
+
+def test_commit_that_landed_but_reported_a_hard_failure_is_unknown_and_keeps_its_bytes() -> None:
+    """A create that fails definitely *after* the record landed (e.g. the
+    directory fsync) must not be reported as a plain failure, nor clean up."""
+    from ckptstore import CommitUnknownError
+    from ckptstore.backends.memory import MemoryBackend
+    from ckptstore.errors import StoreUnavailableError
+
+    class LandsThenFails(MemoryBackend):
+        def create(self, key: str, data: bytes) -> bool:
+            created = super().create(key, data)
+            if "/commits/" in key:
+                raise StoreUnavailableError("injected: fsync of the directory failed")
+            return created
+
+    b = LandsThenFails()
+    st = CheckpointStore.open(b, "run", identity={"data_digest": "d"})
+    with pytest.raises(CommitUnknownError, match="landed"):
+        with st.save(1) as s:
+            s.put("model", b"weights")
+    ref = CheckpointStore.open(b, "run", mode="r").latest_complete(deep=True)
+    assert ref is not None and ref.step == 1  # published after all, bytes intact

@@ -140,12 +140,6 @@ def test_disk_full_in_the_commit_record(disk: tuple[Path, FullDisk, CheckpointSt
     assert CheckpointStore.open(backend, "run", mode="r").latest_complete(deep=True).step == 2  # type: ignore[union-attr]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: a commit create that fails with a definite error (ENOSPC writing the record's temporary "
-    "file, nothing linked) propagates out of SaveWriter.commit without the abort, so the save's components stay "
-    "and keep the disk full until a gc after the grace period; see the reliability report",
-)
 def test_disk_full_in_the_commit_record_removes_the_save(disk: tuple[Path, FullDisk, CheckpointStore]) -> None:
     """The failed save's components must not keep the disk full."""
     root, ops, store = disk

@@ -284,6 +284,12 @@ class FaultyBackend(Backend):
         self._end(n, "list", prefix, f"{len(out)} objects")
         return out
 
+    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
+        n, _ = self._begin("list_keys", prefix)
+        out = self.inner.list_keys(prefix, start_after=start_after, limit=limit)
+        self._end(n, "list_keys", prefix, f"{len(out)} keys")
+        return out
+
     def size(self, key: str) -> int:
         n, _ = self._begin("size", key)
         out = self.inner.size(key)

@@ -19,6 +19,15 @@ Contract (each backend's conformance tests check it):
   key. ``get_range`` never returns more than ``end - start`` bytes (the store
   bounds every read with it). ``list(prefix)`` returns every object under the prefix (recursive),
   never directories or temp files; an empty "directory" is no object.
+* ``list_keys(prefix, start_after=, limit=)`` is ``list`` without sizes and
+  in pages: exactly ``[o.key for o in list(prefix) if o.key > start_after][:limit]``,
+  in ascending code-point (= UTF-8 byte) order. Object stores serve it with
+  one request per page of up to 1,000 keys, starting at ``start_after``, so
+  a caller that needs the first keys of a long prefix pays for those only;
+  the local disk reads names only (no stat per entry). (An S3 server that
+  lists folder by folder, as SeaweedFS does, departs from byte order only
+  where a name continues with a character below '/' while a sibling descends
+  into a folder; ckptstore's own names never do.)
 * ``delete`` of a missing key is not an error.
 * Infrastructure failures raise :class:`StoreUnavailableError`, or
   :class:`TransientError` when a retry may help.
@@ -36,14 +45,18 @@ Buffer = bytes | bytearray | memoryview
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What the layers above may rely on. Both flags are read: without
-    ``atomic_create`` the store refuses to write; without ``consistent_list``
-    the read-after-write inventory check asks for each object's size instead
-    of trusting one listing."""
+    """What the layers above may rely on. Without ``atomic_create`` the store
+    refuses to write; without ``consistent_list`` the read-after-write
+    inventory check asks for each object's size instead of trusting one
+    listing; ``list_pages`` only tunes how keys are asked for."""
 
     atomic_create: bool = True
     #: Listing after a write sees the write (S3, GCS, POSIX, memory all do).
     consistent_list: bool = True
+    #: ``list_keys`` costs one request per page (object stores): callers that
+    #: need only the first keys ask for small pages. False: every call reads
+    #: the whole prefix anyway (a directory on disk), so ask for all at once.
+    list_pages: bool = False
 
 
 def check_key(key: str) -> str:
@@ -85,6 +98,15 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def list(self, prefix: str) -> list[ObjectInfo]: ...
+
+    def list_keys(
+        self, prefix: str, *, start_after: str = "", limit: int | None = None
+    ) -> builtins.list[str]:
+        """Keys under ``prefix`` greater than ``start_after``, ascending, at
+        most ``limit`` (see the module docstring). This default derives them
+        from :meth:`list`; backends that can page or skip the stat override it."""
+        keys = [o.key for o in self.list(prefix) if o.key > start_after]
+        return keys if limit is None else keys[: max(0, limit)]
 
     @abc.abstractmethod
     def size(self, key: str) -> int: ...

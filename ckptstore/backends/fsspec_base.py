@@ -38,6 +38,8 @@ _TRANSIENT_NAMES = (
 )
 
 PART_SIZE = 16 * 1024 * 1024
+#: Keys asked for per listing request by ``list_keys`` (S3 and GCS serve at most 1,000).
+LIST_PAGE = 1000
 
 
 def status_of(exc: BaseException) -> int | None:
@@ -89,8 +91,10 @@ def is_transient(exc: BaseException) -> bool:
 class FsspecBackend(Backend):
     """A bucket prefix on an object store, through an fsspec filesystem."""
 
-    capabilities = Capabilities(atomic_create=True, consistent_list=True)
+    capabilities = Capabilities(atomic_create=True, consistent_list=True, list_pages=True)
     scheme = ""
+    #: keys per listing request of ``list_keys`` (tests lower it to exercise paging)
+    list_page = LIST_PAGE
     #: environment variables the client reads its endpoint from
     endpoint_env: tuple[str, ...] = ()
 
@@ -235,6 +239,10 @@ class FsspecBackend(Backend):
             out.append(ObjectInfo(key, int(info.get("size") or 0), mtime_of(info)))
         out.sort(key=lambda o: o.key)
         return out
+
+    def _bucket_key(self, key: str) -> str:
+        """``key`` (a key, a prefix or '') as the object name inside the bucket."""
+        return f"{self.root}/{key}".partition("/")[2]
 
     def size(self, key: str) -> int:
         path = self._path(key)

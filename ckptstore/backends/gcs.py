@@ -22,6 +22,33 @@ class GCSBackend(FsspecBackend):
     scheme = "gs"
     endpoint_env = ("STORAGE_EMULATOR_HOST",)
 
+    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> list[str]:
+        """One JSON-API listing request per page (``startOffset``, which is
+        inclusive, ``maxResults``, then the page token), names only."""
+        pfx = self._bucket_key(prefix)
+        params: dict[str, Any] = {"prefix": pfx, "fields": "items(name),nextPageToken"}
+        skip = self._bucket_key(start_after) if start_after else None
+        if skip is not None:
+            params["startOffset"] = skip
+        out: list[str] = []
+        try:
+            while limit is None or len(out) < limit:
+                want = self.list_page if limit is None else min(self.list_page, limit - len(out) + 1)
+                params["maxResults"] = max(1, want)
+                page = self.fs.call("GET", "b/{}/o", self.bucket, json_out=True, **params)
+                for item in page.get("items", []) or []:
+                    name = item.get("name", "") if isinstance(item, dict) else ""
+                    if name != skip and name.startswith(pfx) and not name.endswith("/"):
+                        out.append(self._key(f"{self.bucket}/{name}"))
+                token = page.get("nextPageToken")
+                if not token:
+                    break
+                params["pageToken"] = token
+        except Exception as exc:  # noqa: BLE001
+            self._raise(exc, "list", prefix)
+            raise
+        return out if limit is None else out[: max(0, limit)]
+
     def _create(self, path: str, data: bytes) -> bool:
         try:
             self.fs.pipe_file(path, data, mode="create")

@@ -169,26 +169,41 @@ class LocalBackend(Backend):
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         # prefix may end mid-name; walk the deepest existing directory.
-        base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        top = self._path(base_key) if base_key else self.root
+        top = self._list_top(prefix)
         out: list[ObjectInfo] = []
-        if not self.ops.is_dir(top):
+        if top is None:
             return out
-        for dirpath, _dirs, files in self.ops.walk(top):
-            rel_dir = os.path.relpath(dirpath, self.root)
-            for f in files:
-                if TMP_MARK in f:
-                    continue
-                key = f if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{f}"
-                if not key.startswith(prefix):
-                    continue
-                try:
-                    size, mtime = self.ops.stat(os.path.join(dirpath, f))
-                except (FileNotFoundError, NotADirectoryError, NotAnObjectError):
-                    continue  # vanished, or not a regular file: not an object
-                out.append(ObjectInfo(key, size, mtime))
+        for dirpath, files in self.ops.walk_stat(top):
+            rel = self._rel_dir(dirpath)
+            for f, size, mtime in files:
+                key = rel + f
+                if TMP_MARK not in f and key.startswith(prefix):
+                    out.append(ObjectInfo(key, size, mtime))
         out.sort(key=lambda o: o.key)
         return out
+
+    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
+        """Names only: the directory entries' types tell files from the rest, nothing is stat'ed."""
+        top = self._list_top(prefix)
+        if top is None:
+            return []
+        keys = []
+        for dirpath, _dirs, files in self.ops.walk(top):
+            rel = self._rel_dir(dirpath)
+            keys += [k for f in files if TMP_MARK not in f and (k := rel + f).startswith(prefix) and k > start_after]
+        keys.sort()
+        return keys if limit is None else keys[: max(0, limit)]
+
+    def _list_top(self, prefix: str) -> str | None:
+        """The deepest directory of ``prefix`` (which may end mid-name), if it is one."""
+        base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = self._path(base_key) if base_key else self.root
+        return top if self.ops.is_dir(top) else None
+
+    def _rel_dir(self, dirpath: str) -> str:
+        """The key prefix of the files in ``dirpath`` ('' at the root, else 'a/b/')."""
+        rel = os.path.relpath(dirpath, self.root)
+        return "" if rel == "." else rel.replace(os.sep, "/") + "/"
 
     def size(self, key: str) -> int:
         try:

@@ -8,6 +8,7 @@ nothing survives the process.
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections.abc import Iterable
@@ -51,6 +52,11 @@ class MemoryBackend(Backend):
             return [
                 ObjectInfo(k, len(v[0]), v[1]) for k, v in sorted(self._objects.items()) if k.startswith(prefix)
             ]
+
+    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
+        with self._lock:
+            keys = sorted(k for k in self._objects if k.startswith(prefix) and k > start_after)
+        return keys if limit is None else keys[: max(0, limit)]
 
     def size(self, key: str) -> int:
         return len(self.get(key))

@@ -226,7 +226,32 @@ class PosixOps:
 
     def walk(self, top: str) -> Iterable[tuple[str, list[str], list[str]]]:
         """Like ``os.walk``, but: only real directories are entered (links to
-        directories are not), and only regular files are reported."""
+        directories are not), and only regular files are reported. Names come
+        from the directory entries' types: nothing is stat'ed."""
+        for path, dirs, files, _stats in self._walk_top(top, False):
+            yield path, dirs, files
+
+    def walk_stat(self, top: str) -> Iterator[tuple[str, list[tuple[str, int, float]]]]:
+        """(directory, [(file name, size, mtime), ...]) for every real directory
+        under ``top``, as :meth:`walk` finds them: each regular file stat'ed
+        with ``fstatat`` relative to its open directory, no link followed and
+        no path resolved again from the root (an entry swapped for something
+        else than a regular file since the listing is left out)."""
+        if type(self).walk is not PosixOps.walk or type(self).stat is not PosixOps.stat:
+            # a substituted file system (the power-loss simulator): compose its own calls
+            for dirpath, _dirs, files in self.walk(top):
+                found = []
+                for f in files:
+                    try:
+                        found.append((f, *self.stat(os.path.join(dirpath, f))))
+                    except (FileNotFoundError, NotADirectoryError, NotAnObjectError):
+                        continue
+                yield dirpath, found
+            return
+        for path, _dirs, files, stats in self._walk_top(top, True):
+            yield path, [(f, st[0], st[1]) for f, st in zip(files, stats, strict=True) if st[0] >= 0]
+
+    def _walk_top(self, top: str, with_stat: bool) -> Iterator[tuple[str, list[str], list[str], list[tuple[int, float]]]]:
         parts = self._below(top)
         try:
             if parts is None:
@@ -235,28 +260,34 @@ class PosixOps:
                 fd = self._open_dir(parts, top)
         except OSError:
             return
-        yield from self._walk_fd(fd, os.path.abspath(top))
+        yield from self._walk_fd(fd, os.path.abspath(top), with_stat)
 
-    def _walk_fd(self, fd: int, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    def _walk_fd(
+        self, fd: int, path: str, with_stat: bool
+    ) -> Iterator[tuple[str, list[str], list[str], list[tuple[int, float]]]]:
         try:
             dirs: list[str] = []
             files: list[str] = []
+            stats: list[tuple[int, float]] = []
             with os.scandir(fd) as it:
                 for e in it:
                     try:
                         if e.is_dir(follow_symlinks=False):
                             dirs.append(e.name)
                         elif e.is_file(follow_symlinks=False):
+                            if with_stat:
+                                st = e.stat(follow_symlinks=False)  # fstatat(fd, name, AT_SYMLINK_NOFOLLOW)
+                                stats.append((st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else (-1, 0.0))
                             files.append(e.name)
                     except OSError:
                         continue
-            yield path, dirs, files
+            yield path, dirs, files, stats
             for name in dirs:
                 try:
                     sub = os.open(name, _DIRFLAGS, dir_fd=fd)
                 except OSError:
                     continue  # vanished, or swapped for a link since the listing
-                yield from self._walk_fd(sub, os.path.join(path, name))
+                yield from self._walk_fd(sub, os.path.join(path, name), with_stat)
         finally:
             os.close(fd)
 

@@ -132,6 +132,32 @@ class S3Backend(FsspecBackend):
             self._raise(exc, "conditional create", self._key(path))
             raise
 
+    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> list[str]:
+        """One ``ListObjectsV2`` request per page (``StartAfter``, ``MaxKeys``,
+        then the continuation token): the first keys of a long prefix cost one
+        request. Directory placeholders (keys ending in '/') are not objects."""
+        pfx = self._bucket_key(prefix)
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
+        if start_after:
+            kw["StartAfter"] = self._bucket_key(start_after)
+        out: list[str] = []
+        try:
+            while limit is None or len(out) < limit:
+                kw["MaxKeys"] = self.list_page if limit is None else max(1, min(self.list_page, limit - len(out)))
+                resp = self._call("list_objects_v2", **kw)
+                for c in resp.get("Contents", []) or []:
+                    name = c.get("Key", "")
+                    if name.startswith(pfx) and not name.endswith("/"):
+                        out.append(self._key(f"{self.bucket}/{name}"))
+                token = resp.get("NextContinuationToken")
+                if not resp.get("IsTruncated") or not token:
+                    break
+                kw["ContinuationToken"] = token
+        except Exception as exc:  # noqa: BLE001
+            self._raise(exc, "list", prefix)
+            raise
+        return out if limit is None else out[: max(0, limit)]
+
     def list_incomplete(self, prefix: str, older_than: float) -> list[str]:
         """Unfinished multipart uploads under ``prefix`` started before
         ``older_than``; handles are ``upload_id:key``."""

@@ -156,3 +156,47 @@ class BackendConformance:
         backend.put("big/obj", [chunk] * 9)
         assert backend.size("big/obj") == 9 * len(chunk)
         assert backend.get_range("big/obj", 8 * len(chunk) + 7, 8 * len(chunk) + 9) == chunk[7:9]
+
+    # -- list_keys: ``list`` without sizes, in pages --------------------------
+    # Byte order and an S3 server's tree order (SeaweedFS lists folder by
+    # folder) agree here: no name continues with a character below '/' where a
+    # sibling descends into a folder ("p-/y" next to "p/..." would differ).
+    LISTED = ["p/a/1", "p/a/2", "p/b", "p/b0", "p/c.json", "pq/x", "other/y", "p/z/deep/er", "p/zz"]
+
+    @staticmethod
+    def _expected(backend: Backend, prefix: str, start_after: str = "", limit: int | None = None) -> list[str]:
+        keys = [o.key for o in backend.list(prefix) if o.key > start_after]
+        return keys if limit is None else keys[:limit]
+
+    def test_list_keys_is_list_after_start_after_up_to_limit(self, backend: Backend) -> None:
+        for k in self.LISTED:
+            RawAccess(backend).set(k, k.encode())
+        for prefix in ("p/", "p", "p/a/", "p/b", "missing/", "p/z/"):
+            for start_after in ("", "p/", "p/a/1", "p/a/15", "p/b", "p/b00", "p/zz", "a", "z"):
+                for limit in (None, 0, 1, 2, 3, 100):
+                    got = backend.list_keys(prefix, start_after=start_after, limit=limit)
+                    assert got == self._expected(backend, prefix, start_after, limit), (prefix, start_after, limit)
+        assert backend.list_keys("p/") == ["p/a/1", "p/a/2", "p/b", "p/b0", "p/c.json", "p/z/deep/er", "p/zz"]
+
+    def test_list_keys_pages_through_a_long_prefix(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        if hasattr(backend, "list_page"):
+            monkeypatch.setattr(backend, "list_page", 3)  # several requests per call
+        keys = [f"pg/{i:03d}" for i in range(11)]
+        for k in keys:
+            RawAccess(backend).set(k, b"1")
+        assert backend.list_keys("pg/") == keys
+        assert backend.list_keys("pg/", limit=7) == keys[:7]
+        assert backend.list_keys("pg/", start_after="pg/004", limit=5) == keys[5:10]
+        assert backend.list_keys("pg/", start_after=keys[-1]) == []
+        walked, after = [], ""
+        while page := backend.list_keys("pg/", start_after=after, limit=4):
+            walked += page
+            after = page[-1]
+        assert walked == keys
+
+    def test_list_keys_has_no_directories_after_deletes(self, backend: Backend) -> None:
+        backend.put("gk/a/x", [b"1"])
+        backend.put("gk/b", [b"1"])
+        backend.delete("gk/a/x")
+        assert backend.list_keys("gk/") == ["gk/b"]
+        assert backend.list_keys("gk/a/") == []

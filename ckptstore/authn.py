@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from .errors import InvalidInputError
-from .protocol import PROTOCOL_VERSION, canonical_json, decode_json
+from .protocol import canonical_json, decode_json
 from .protocol.auth import AuthPolicy, AuthTag, Keyring, check_key_id
 from .protocol.records import Signable
 from .runio import RunIO
@@ -158,6 +158,6 @@ class RecordAuth:
             raise InvalidInputError(f"signing needs a key: set {ENV_KEYS}=ID:HEX or pass a key file")
         tag = self.keyring.sign(rec.kind, io.run_id, rec.body_digest)
         assert tag is not None
-        doc = {"protocol_version": PROTOCOL_VERSION, "kind": "auth", "record": key, "body_digest": rec.body_digest,
+        doc = {"protocol_version": io.layout.version, "kind": "auth", "record": key, "body_digest": rec.body_digest,
                "auth": tag.to_json()}
         return io.create(sidecar_key(key), canonical_json(doc), what="auth sidecar")

@@ -1,25 +1,32 @@
 """The catalog: one walk over a run's candidate commits, shared by selection
 (``latest_complete``), listing (``list_saves``) and gc's view of the run
 (PROTOCOL.md §4.4, §4.5).
+
+Selection walks the commits newest first as :class:`~ckptstore.commits.CommitKeys`
+pages them and lists only each candidate's own save prefix, so its cost
+follows the candidates tried, not the history. ``list_saves`` and gc judge
+every commit from one full listing of ``commits/`` and ``saves/`` and one
+bounded read of each record, which is cached per store (records are created
+once and never changed): a later call in the same process reads only records
+it has not seen (see :class:`RecordCache`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from .authn import RecordAuth
 from .backends.base import ObjectInfo
+from .commits import CommitKeys
 from .errors import CorruptionError, NotFoundError
 from .fencing import AttemptLog, AttemptView
 from .protocol import (
     CommitRecord,
     UnsupportedVersion,
-    commit_key,
-    commits_prefix,
     component_key,
-    parse_commit_name,
     parse_save_id,
     save_prefix,
     saves_prefix,
@@ -42,12 +49,16 @@ from .protocol.selection import (
 from .runio import RunIO
 
 Problems = list[tuple[SkipReason, str]]
+#: Bytes of decoded commit records a store keeps (:class:`RecordCache`).
+RECORD_CACHE_BYTES = 64 << 20
 
 
 @dataclass
 class Scan:
-    """One consistent-enough snapshot of a run: its commits, the objects under
-    its saves, and its attempts (three listings)."""
+    """What a walk judges against: the run's attempts, and either its commits
+    and the objects under its saves as two full listings (``list_saves``, gc)
+    or nothing listed up front (selection: ``saves_listed=False``, each
+    candidate lists its own save prefix)."""
 
     commits: dict[tuple[int, int], ObjectInfo]
     save_objects: dict[str, dict[str, ObjectInfo]]
@@ -59,11 +70,7 @@ class Scan:
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
-        commits: dict[tuple[int, int], ObjectInfo] = {}
-        for o in io.list(commits_prefix(io.run_id)):
-            sa = parse_commit_name(o.key.rsplit("/", 1)[-1])
-            if sa is not None:
-                commits[sa] = o
+        commits = CommitKeys(io).listed()
         save_objects: dict[str, dict[str, ObjectInfo]] = {}
         if not with_saves:
             return cls(commits, save_objects, attempts, saves_listed=False)
@@ -74,6 +81,35 @@ class Scan:
                 sid, name = rest.split("/", 1)
                 save_objects.setdefault(sid, {})[name] = o
         return cls(commits, save_objects, attempts)
+
+
+class RecordCache:
+    """Decoded commit records by key, each with the (size, time) its listing
+    showed when it was read: a record is used again only while the listing
+    shows the same entry (a record deleted by gc and created again under the
+    same name is read again). Bounded by :data:`RECORD_CACHE_BYTES`."""
+
+    def __init__(self, limit: int = RECORD_CACHE_BYTES) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._items: dict[str, tuple[tuple[int, float], CommitRecord]] = {}
+        self._bytes = 0
+
+    def get(self, key: str, seen: tuple[int, float]) -> CommitRecord | None:
+        with self._lock:
+            hit = self._items.get(key)
+        return hit[1] if hit is not None and hit[0] == seen else None
+
+    def put(self, key: str, seen: tuple[int, float], rec: CommitRecord) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[0][0]
+            self._items[key] = (seen, rec)
+            self._bytes += seen[0]
+            while self._bytes > self.limit and self._items:
+                victim = next(iter(self._items))
+                self._bytes -= self._items.pop(victim)[0][0]
 
 
 @dataclass(frozen=True)
@@ -95,6 +131,7 @@ class Catalog:
         self.attempts = attempts
         self.auth: RecordAuth = attempts.auth
         self.identity_digest = identity_digest
+        self.records = RecordCache()
 
     def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True) -> Scan:
         return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves)
@@ -106,10 +143,21 @@ class Catalog:
         return {o.key[len(prefix) :]: o for o in self.io.list(prefix)}
 
     # -------------------------------------------------------------- records
-    def load_commit(self, step: int, attempt: int) -> CommitRecord:
-        key = commit_key(self.io.run_id, step, attempt)
+    def commit_key(self, step: int, attempt: int) -> str:
+        return self.io.layout.commit_key(self.io.run_id, step, attempt)
+
+    def load_commit(self, step: int, attempt: int, listed: ObjectInfo | None = None) -> CommitRecord:
+        """The decoded record (one bounded read), or the cached one when
+        ``listed`` (its listing entry) matches the entry it was read under."""
+        key = self.commit_key(step, attempt)
+        seen = (listed.size, listed.mtime) if listed is not None else None
+        if seen is not None and (hit := self.records.get(key, seen)) is not None:
+            return hit
         data = self.io.get_bounded(key, MAX_COMMIT_RECORD)
-        return CommitRecord.decode(data, self.io.where(key), run_id=self.io.run_id, step=step, attempt=attempt)
+        rec = CommitRecord.decode(data, self.io.where(key), run_id=self.io.run_id, step=step, attempt=attempt)
+        if seen is not None and seen[0] == len(data):
+            self.records.put(key, seen, rec)
+        return rec
 
     def check_components(self, rec: CommitRecord, listed: Mapping[str, ObjectInfo] | None, deep: bool) -> Problems:
         """Every component present with its recorded size (from ``listed``, or
@@ -156,7 +204,7 @@ class Catalog:
             return Candidate(step, attempt, None, [(SkipReason.UNREGISTERED_ATTEMPT, detail)], None)
         later = superseded_by(step, attempt, scan.attempts.effective)
         try:
-            rec = self.load_commit(step, attempt)
+            rec = self.load_commit(step, attempt, scan.commits.get((step, attempt)))
         except UnsupportedVersion as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNSUPPORTED_VERSION, str(exc))], None)
         except NotFoundError:
@@ -164,7 +212,7 @@ class Catalog:
         except CorruptionError as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, str(exc))], None)
         sid = rec.save_id
-        why = self.auth.judge(rec, self.io.run_id, self.io, commit_key(self.io.run_id, step, attempt))
+        why = self.auth.judge(rec, self.io.run_id, self.io, self.commit_key(step, attempt))
         if why is not None:
             return Candidate(step, attempt, None, [(SkipReason.UNAUTHENTICATED, why)], sid)
         if later is not None:
@@ -179,14 +227,17 @@ class Catalog:
             scan.memo.add(digest)
         return Candidate(step, attempt, None if problems else SaveRef.of(rec), problems, sid)
 
-    def walk(self, scan: Scan, deep: bool, deep_until: int | None = None) -> Iterator[Candidate]:
-        """Every commit, newest first, judged; a step already committed by a
-        later attempt that verified makes older commits of it superseded.
-        With ``deep_until=k``, the deep check stops once ``k`` commits verified
-        (older ones get the size check)."""
+    def walk(
+        self, scan: Scan, deep: bool, deep_until: int | None = None, order: Iterable[tuple[int, int]] | None = None
+    ) -> Iterator[Candidate]:
+        """Every commit, newest first (``order``, else the scan's commits
+        sorted), judged; a step already committed by a later attempt that
+        verified makes older commits of it superseded. With ``deep_until=k``,
+        the deep check stops once ``k`` commits verified (older ones get the
+        size check)."""
         seen_steps: set[int] = set()
         verified = 0
-        for step, attempt in candidate_order(scan.commits):
+        for step, attempt in order if order is not None else candidate_order(scan.commits):
             c = self.evaluate(step, attempt, scan, deep and (deep_until is None or verified < deep_until))
             if c.ref is not None and step not in seen_steps:
                 verified += 1
@@ -201,20 +252,22 @@ class Catalog:
     def select(
         self, deep: bool, attempts: AttemptView | None = None, *, explain: bool = True, memo: set[str] | None = None
     ) -> Selection:
-        """The newest commit that verifies. Without ``explain`` the saves are
-        not listed as a whole: each candidate tried lists only its own save's
-        prefix, so the cost follows the candidates tried, not the history
-        (and uncommitted saves are not reported). ``memo``: manifest digests
+        """The newest commit that verifies: candidates as :class:`CommitKeys`
+        pages them newest first, each checked against a listing of its own
+        save prefix, so the cost follows the candidates tried, not the history.
+        ``explain`` also reports uncommitted saves newer than the choice (one
+        listing of the save keys after it). ``memo``: manifest digests
         deep-verified earlier in the same operation, not re-hashed (extended
         with what this call verifies)."""
-        scan = self.scan(attempts, with_saves=explain)
-        scan.memo = memo
+        view = attempts if attempts is not None else self.attempts.load()
+        scan = Scan({}, {}, view, saves_listed=False, memo=memo)
+        keys = CommitKeys(self.io)
         skipped: list[Skip] = []
         committed_ids: set[str] = set()
         chosen: SaveRef | None = None
-        notes = list(scan.attempts.notes())
+        notes = list(view.notes())
         read = 0
-        for c in self.walk(scan, deep):
+        for c in self.walk(scan, deep, order=keys.newest_first()):
             if c.problems and c.problems[0][0] is not SkipReason.UNREGISTERED_ATTEMPT:
                 read += 1  # only candidates whose record was read count against the bound
             if read > MAX_CANDIDATES:
@@ -226,24 +279,37 @@ class Catalog:
                 chosen = c.ref
                 break
             skipped.append(Skip(c.step, c.attempt, c.save_id, c.problems[0][0], "; ".join(d for _, d in c.problems)))
-        # Uncommitted saves newer than the choice are candidates too (their IDs carry step and attempt).
-        for sid, objs in scan.save_objects.items():
-            sa = parse_save_id(sid)
-            if sid in committed_ids or sa is None:
-                continue
-            if chosen is None or sa > (chosen.step, chosen.attempt):
-                detail = f"{len(objs)} component(s) written, no commit record"
-                skipped.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, detail))
+        if keys.junk:
+            notes.append(f"{keys.junk} name(s) under commits/ are not commit records of this run's layout; ignored")
+        if explain:
+            skipped += self._uncommitted_after(chosen, committed_ids)
         shown, more = bound_skips(skipped)
         return Selection(chosen, shown, more, tuple(notes))
+
+    def _uncommitted_after(self, chosen: SaveRef | None, committed_ids: set[str]) -> list[Skip]:
+        """Uncommitted saves newer than ``chosen`` (their IDs carry step and
+        attempt, and sort by them): the save keys listed from just after it."""
+        sp = saves_prefix(self.io.run_id)
+        after = f"{sp}{chosen.step:012d}-{chosen.attempt:08d}-~" if chosen is not None else ""
+        counts: dict[str, int] = {}
+        for key in self.io.list_keys(sp, start_after=after):
+            sid = key[len(sp) :].split("/", 1)[0]
+            counts[sid] = counts.get(sid, 0) + 1
+        out = []
+        for sid, n in counts.items():
+            sa = parse_save_id(sid)
+            if sid in committed_ids or sa is None or (chosen is not None and sa <= (chosen.step, chosen.attempt)):
+                continue
+            out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{n} component(s) written, no commit record"))
+        return out
 
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
         """The commit of ``step`` (the highest attempt, unless given); not verified."""
         if attempt is None:
-            found = sorted(a for s, a in self.scan(with_saves=False).commits if s == step)
+            found = CommitKeys(self.io).attempts_of(step)
             if not found:
                 raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}")
-            attempt = found[-1]
+            attempt = found[0]
         try:
             return SaveRef.of(self.load_commit(step, attempt))
         except NotFoundError:

@@ -61,12 +61,13 @@ class AttemptLog:
         self._cache: dict[int, AttemptRecord] = {}
 
     def load(self) -> AttemptView:
-        """Every attempt record: one listing, and a bounded read only for
-        numbers not seen before."""
+        """Every attempt record: one listing (names only), and a bounded read
+        only for numbers not seen before."""
         records: dict[int, AttemptRecord] = {}
         unreadable: dict[int, str] = {}
-        for o in self.io.list(attempts_prefix(self.io.run_id)):
-            n = parse_attempt_name(o.key.rsplit("/", 1)[-1])
+        prefix = attempts_prefix(self.io.run_id)
+        for key in self.io.list_keys(prefix):
+            n = parse_attempt_name(key[len(prefix) :])
             if n is None:
                 continue
             cached = self._cache.get(n)
@@ -74,14 +75,14 @@ class AttemptLog:
                 records[n] = cached
                 continue
             try:
-                data = self.io.get_bounded(o.key, MAX_ATTEMPT_RECORD)
-                rec = AttemptRecord.decode(data, self.io.where(o.key), run_id=self.io.run_id, number=n)
+                data = self.io.get_bounded(key, MAX_ATTEMPT_RECORD)
+                rec = AttemptRecord.decode(data, self.io.where(key), run_id=self.io.run_id, number=n)
             except NotFoundError:
                 continue
             except CorruptionError as exc:
                 unreadable[n] = str(exc)
                 continue
-            why = self.auth.judge(rec, self.io.run_id, self.io, o.key)
+            why = self.auth.judge(rec, self.io.run_id, self.io, key)
             if why is not None:
                 unreadable[n] = why
                 continue
@@ -128,7 +129,10 @@ class AttemptLog:
                 assert resume_from is None or isinstance(resume_from, int)
                 ref, step = None, resume_from
             rec = self.auth.seal(
-                AttemptRecord(self.io.run_id, number, step, writer_id, now(), tuple(abandons), socket.gethostname()[:256]),
+                AttemptRecord(
+                    self.io.run_id, number, step, writer_id, now(), tuple(abandons), socket.gethostname()[:256],
+                    version=self.io.layout.version,
+                ),
                 self.io.run_id,
             )
             if not self.io.create(attempt_key(self.io.run_id, number), rec.encode(), what="attempt record"):

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from .catalog import Catalog
-from .protocol import commit_key, component_key, run_prefix
+from .protocol import component_key, run_prefix
 from .protocol.gcplan import plan_gc
 from .protocol.selection import SaveState
 
@@ -63,7 +63,7 @@ def collect(
     for info, reason in plan.delete:
         # the commit record goes first: a crash in between leaves a partial save, never a dangling commit
         if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
-            actions.append(GcAction(commit_key(io.run_id, info.step, info.attempt), reason))
+            actions.append(GcAction(catalog.commit_key(info.step, info.attempt), reason))
         for name in sorted(scan.save_objects.get(info.save_id, {})):
             actions.append(GcAction(component_key(io.run_id, info.save_id, name), reason))
     incomplete = io.backend.list_incomplete(run_prefix(io.run_id), time.time() - grace_seconds)

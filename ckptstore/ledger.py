@@ -35,7 +35,7 @@ class Ledger:
     def append(self, kind: str, payload: Mapping[str, Any], attempt: int | None) -> str:
         """Create one entry; returns its key."""
         ts = now()
-        rec = EventRecord(kind, ts, attempt, dict(payload))
+        rec = EventRecord(kind, ts, attempt, dict(payload), version=self.io.layout.version)
         try:
             rec = self.auth.seal(rec, self.io.run_id)
             data = rec.encode()

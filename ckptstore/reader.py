@@ -11,7 +11,7 @@ import blake3
 
 from .catalog import Catalog
 from .errors import CorruptionError, InvalidInputError, NotFoundError
-from .protocol import ComponentEntry, commit_key, component_key
+from .protocol import ComponentEntry, component_key
 from .protocol.selection import SaveRef, SkipReason, describe_superseder, superseded_by
 from .streams import CHUNK
 
@@ -88,7 +88,7 @@ class Reader:
         except (NotFoundError, CorruptionError) as exc:
             report.problems.append((SkipReason.UNREADABLE_RECORD, str(exc)))
             return report
-        why = self.catalog.auth.judge(current, self.io.run_id, self.io, commit_key(self.io.run_id, ref.step, ref.attempt))
+        why = self.catalog.auth.judge(current, self.io.run_id, self.io, self.catalog.commit_key(ref.step, ref.attempt))
         if why is not None:
             report.problems.append((SkipReason.UNAUTHENTICATED, why))
         if current.encode() != ref.record.encode():

@@ -1,5 +1,7 @@
 """Binding a run ID to its identity (PROTOCOL.md §4.1): ``RUN.json`` is
-created exclusively once and compared field by field on every open."""
+created exclusively once and compared field by field on every open. Its
+protocol version fixes the run's layout for good (§1.1): reading or creating
+it sets ``io.layout``, which every later key and record of the run follows."""
 
 from __future__ import annotations
 
@@ -7,9 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from .authn import RecordAuth
-from .errors import CorruptionError, IdentityMismatchError, NotFoundError
+from .errors import CorruptionError, IdentityMismatchError, InvalidInputError, NotFoundError
 from .identity import diff_identity, identity_digest
-from .protocol import RUN_RECORD, RunRecord, now, run_record_key
+from .protocol import LATEST_LAYOUT, RUN_RECORD, Layout, RunRecord, layout_of, now, run_record_key
 from .protocol.records import MAX_RUN_RECORD
 from .runio import RunIO
 
@@ -23,14 +25,24 @@ def read_run_record(io: RunIO, auth: RecordAuth | None = None) -> RunRecord:
             f"run {io.run_id!r} does not exist at {io.backend.url} (no {RUN_RECORD}); "
             "open it with an identity to create it"
         ) from None
-    rec = RunRecord.decode(data, io.where(key), run_id=io.run_id)
+    rec = RunRecord.decode(data, io.where(key), run_id=io.run_id)  # a newer version: UnsupportedVersion, not opened
     why = auth.judge(rec, io.run_id, io, key) if auth is not None else None
     if why is not None:
         raise CorruptionError(
             f"{io.where(key)}: the run record is {why}; under auth_policy='require' only authenticated runs are "
             "opened (sign an existing run with `ckptstore sign`)"
         )
+    io.layout_or_none = layout_of(rec.version)
     return rec
+
+
+def check_version(io: RunIO, wanted: Layout | None) -> None:
+    """An existing run keeps the version it was created with: asking for another is refused."""
+    if wanted is not None and io.layout.version != wanted.version:
+        raise InvalidInputError(
+            f"run {io.run_id!r} uses protocol version {io.layout.version}, not {wanted.version} as asked; "
+            "a run keeps the version it was created with (start a new run ID for another)"
+        )
 
 
 def check_identity(run_id: str, stored: Mapping[str, Any], requested: Mapping[str, Any]) -> None:
@@ -40,19 +52,33 @@ def check_identity(run_id: str, stored: Mapping[str, Any], requested: Mapping[st
 
 
 def bind_identity(
-    io: RunIO, requested: dict[str, Any], lineage: Mapping[str, Any] | None, auth: RecordAuth
+    io: RunIO,
+    requested: dict[str, Any],
+    lineage: Mapping[str, Any] | None,
+    auth: RecordAuth,
+    version: Layout | None = None,
 ) -> dict[str, Any]:
-    """Create the run record, or check the existing one; the identity in force."""
-    rec = RunRecord(io.run_id, requested, identity_digest(requested), now(), dict(lineage) if lineage else None)
+    """Create the run record (with ``version``'s layout, default the latest),
+    or check the existing one; the identity in force."""
+    layout = version or LATEST_LAYOUT
+    rec = RunRecord(
+        io.run_id, requested, identity_digest(requested), now(), dict(lineage) if lineage else None,
+        version=layout.version,
+    )
     if io.create(run_record_key(io.run_id), auth.seal(rec, io.run_id).encode(), what="run identity record"):
+        io.layout_or_none = layout
         return requested
     stored = read_run_record(io, auth).identity
     check_identity(io.run_id, stored, requested)
+    check_version(io, version)
     return dict(stored)
 
 
-def read_identity(io: RunIO, requested: dict[str, Any] | None, auth: RecordAuth) -> dict[str, Any]:
+def read_identity(
+    io: RunIO, requested: dict[str, Any] | None, auth: RecordAuth, version: Layout | None = None
+) -> dict[str, Any]:
     stored = dict(read_run_record(io, auth).identity)
     if requested is not None:
         check_identity(io.run_id, stored, requested)
+    check_version(io, version)
     return stored

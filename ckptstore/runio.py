@@ -9,6 +9,7 @@ while written, and bounded, verified streaming of components.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -17,7 +18,7 @@ import blake3
 
 from .backends.base import Backend, ObjectInfo
 from .errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUnavailableError, TransientError
-from .protocol import ComponentEntry
+from .protocol import ComponentEntry, Layout
 from .redact import redact_text
 from .retry import RetryPolicy
 from .streams import CHUNK, HashingStream, is_replayable, rewind
@@ -32,6 +33,15 @@ class RunIO:
         self.retry = retry or RetryPolicy()
         #: component bytes read so far (reads of records not counted)
         self.bytes_read = 0
+        #: how the run names its commits (PROTOCOL.md §1.1): set by ``runbind``
+        #: once the run record was read or created
+        self.layout_or_none: Layout | None = None
+
+    @property
+    def layout(self) -> Layout:
+        if self.layout_or_none is None:
+            raise AssertionError(f"run {self.run_id!r}: its layout is not known before its run record was read")
+        return self.layout_or_none
 
     def where(self, key: str) -> str:
         """A human-readable location for messages."""
@@ -40,6 +50,10 @@ class RunIO:
     # ------------------------------------------------------------ plain ops
     def list(self, prefix: str) -> list[ObjectInfo]:
         return self.retry.call(lambda: self.backend.list(prefix))
+
+    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
+        """Keys under ``prefix`` after ``start_after``, ascending, names only (``Backend.list_keys``)."""
+        return self.retry.call(lambda: self.backend.list_keys(prefix, start_after=start_after, limit=limit))
 
     def size(self, key: str) -> int:
         return self.retry.call(lambda: self.backend.size(key))

@@ -13,7 +13,6 @@ from .protocol import (
     EventRecord,
     attempt_key,
     attempts_prefix,
-    commit_key,
     events_prefix,
     parse_attempt_name,
     run_record_key,
@@ -56,7 +55,7 @@ def sign_run(catalog: Catalog) -> SignReport:
             rep.refused[o.key] = str(exc)
     scan = catalog.scan()
     for step, attempt in sorted(scan.commits, reverse=True):
-        key = commit_key(io.run_id, step, attempt)
+        key = catalog.commit_key(step, attempt)
         try:
             rec = catalog.load_commit(step, attempt)
         except (CorruptionError, NotFoundError) as exc:

@@ -5,10 +5,9 @@ Each job lives in its own module, imports only downward::
     protocol/   records, layout, selection and gc decisions (pure)
     runio       backend + retry + bounded/verified I/O + create with read-back
     runbind     run identity (RUN.json)          fencing   attempts and fences
-    catalog     the candidate walk: select, list writer    stage + publish
-    reader      verified reads, verify           gcrun     garbage collection
-    ledger      event ledger
-    store       this facade
+    commits     commit names, newest first       catalog   the candidate walk: select, list
+    writer      stage + publish                  reader    verified reads, verify
+    gcrun       garbage collection               ledger    event ledger        store  this facade
 
 The sequences are specified in ``protocol_spec/PROTOCOL.md``; keep the two in step.
 """
@@ -33,6 +32,7 @@ from .ledger import Ledger
 from .protocol import (
     AttemptRecord,
     ComponentEntry,
+    layout_of,
     new_save_id,
     run_prefix,
     validate_component_name,
@@ -87,6 +87,7 @@ class CheckpointStore:
         single_writer: bool = False,
         auth_policy: AuthPolicy | str = "off",
         keyring: Keyring | None = None,
+        protocol_version: int | None = None,
     ) -> None:
         self.backend = backend
         self._auth = RecordAuth(auth_policy, keyring)
@@ -109,12 +110,13 @@ class CheckpointStore:
         #: The save this attempt resumed from (``mode="w"`` with resume_from="latest").
         self.resumed_from: SaveRef | None = None
         requested = normalize_identity(identity) if identity is not None else None
+        version = layout_of(protocol_version) if protocol_version is not None else None
         if self.mode == "w":
             check_can_write(backend, requested, join_attempt, single_writer)
             assert requested is not None
-            self.identity = bind_identity(self._io, requested, lineage, self._auth)
+            self.identity = bind_identity(self._io, requested, lineage, self._auth, version)
         else:
-            self.identity = read_identity(self._io, requested, self._auth)
+            self.identity = read_identity(self._io, requested, self._auth, version)
         self.identity_digest = identity_digest(self.identity)
         self._catalog = Catalog(self._io, self._attempts, self.identity_digest)
         self._reader = Reader(self._catalog)
@@ -146,6 +148,7 @@ class CheckpointStore:
         single_writer: bool = False,
         auth_policy: AuthPolicy | str = "off",
         keyring: Keyring | None = None,
+        protocol_version: int | None = None,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -179,6 +182,9 @@ class CheckpointStore:
         ``"require"`` refuses them: selection skips such commits, such attempt
         records fence nothing and stop gc, and an unauthenticated run is not
         opened. See ``protocol_spec/THREATS.md``.
+
+        ``protocol_version``: of a run this call creates (default the newest, 2; 1 keeps
+        it readable by releases that know only 1). An existing run keeps its own: another is refused.
         """
         from .registry import backend_from_url
 
@@ -186,7 +192,7 @@ class CheckpointStore:
         return cls(
             backend, run_id, identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
             resume_verify=resume_verify, join_attempt=join_attempt, single_writer=single_writer,
-            auth_policy=auth_policy, keyring=keyring,
+            auth_policy=auth_policy, keyring=keyring, protocol_version=protocol_version,
         )
 
     @property
@@ -194,7 +200,7 @@ class CheckpointStore:
         rec = read_run_record(self._io, self._auth)
         return {
             "run_id": rec.run_id, "identity": rec.identity, "identity_digest": rec.identity_digest,
-            "created_at": rec.created_at, "lineage": rec.lineage,
+            "created_at": rec.created_at, "lineage": rec.lineage, "protocol_version": rec.version,
         }
 
     def attempts(self) -> list[AttemptRecord]:

@@ -32,7 +32,6 @@ from .protocol import (
     AttemptRecord,
     CommitRecord,
     ComponentEntry,
-    commit_key,
     component_key,
     now,
     parse_save_id,
@@ -239,8 +238,9 @@ def publish(
         metadata=dict(metadata or {}),
         ranks=rank_map,
         world_size=world_size,
+        version=ctx.io.layout.version,
     ), ctx.io.run_id)
-    key = commit_key(ctx.io.run_id, step, ctx.attempt.number)
+    key = ctx.io.layout.commit_key(ctx.io.run_id, step, ctx.attempt.number)
     data = record.encode()
     try:
         created = ctx.io.create(key, data, what="commit record")

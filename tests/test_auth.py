@@ -47,7 +47,7 @@ def _plant_forged_commit(factory: Callable[[], Backend], step: int, attempt: int
     raw.set(P.component_key("run", sid, "model"), payload)
     rec = P.CommitRecord("run", step, attempt, sid, "evil", identity_digest,
                          {"model": P.ComponentEntry("model", len(payload), P.digest_bytes(payload))}, 1.0)
-    raw.set(P.commit_key("run", step, attempt), rec.encode())
+    raw.set(P.LATEST_LAYOUT.commit_key("run", step, attempt), rec.encode())
     return sid
 
 
@@ -58,7 +58,7 @@ def test_records_carry_tags_and_verify() -> None:
     st = _open(lambda: mem)
     rec = _save(st, 1)
     assert rec.auth is not None and rec.auth.key_id == "k1"
-    stored = json.loads(RawAccess(mem).get(P.commit_key("run", 1, 1)) or b"{}")
+    stored = json.loads(RawAccess(mem).get(P.LATEST_LAYOUT.commit_key("run", 1, 1)) or b"{}")
     assert stored["auth"]["key_id"] == "k1" and len(stored["auth"]["tag"]) == 64
     assert _reader(lambda: mem).latest_complete(deep=True) is not None
 
@@ -152,7 +152,7 @@ def test_sign_an_existing_run_after_rehashing(tmp_path: Path) -> None:
     with pytest.raises(CorruptionError):
         _reader(lambda: b)  # the run record is not authenticated yet
     rep = CheckpointStore.open(b, "run", mode="r", auth_policy="warn", keyring=K1).sign()
-    assert P.commit_key("run", 3, 1) in rep.refused and P.commit_key("run", 2, 1) in rep.signed
+    assert P.LATEST_LAYOUT.commit_key("run", 3, 1) in rep.refused and P.LATEST_LAYOUT.commit_key("run", 2, 1) in rep.signed
     r = _reader(lambda: b)
     sel = r.latest_complete(explain=True)
     assert sel.latest is not None and sel.latest.step == 2

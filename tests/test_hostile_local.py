@@ -29,6 +29,7 @@ from ckptstore.errors import (
     NotFoundError,
     StoreUnavailableError,
 )
+from ckptstore.protocol import LATEST_LAYOUT
 
 IDENT = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
 CLI_TIMEOUT = 120
@@ -134,13 +135,15 @@ def test_symlinked_commit_record_is_not_an_object_and_gc_leaves_its_target(tmp_p
     root = tmp_path / "store"
     out = outside_dir(tmp_path)
     _st, _old, new_sid = two_saves(root)
-    planted = root / "run" / "commits" / "000000000099.00000001.json"
+    key = LATEST_LAYOUT.commit_key("run", 99, 1)  # the name a commit of step 99 would have
+    planted = root.joinpath(*key.split("/"))
     planted.symlink_to(out / "keep.txt")
     before = snapshot(out)
     b = LocalBackend(root, create_root=False)
-    assert "run/commits/000000000099.00000001.json" not in {o.key for o in b.list("run/commits/")}
+    assert key not in {o.key for o in b.list("run/commits/")}
+    assert key not in b.list_keys("run/commits/")
     with pytest.raises(NotFoundError):
-        b.get("run/commits/000000000099.00000001.json")
+        b.get(key)
     p = cli("gc", str(root), "run", "--apply", "--keep-last", "1", "--grace", "0")
     assert p.returncode == 0, p.stderr
     assert snapshot(out) == before

@@ -36,6 +36,7 @@ CORE_ORDER = [
     "authn",
     "runbind",
     "fencing",
+    "commits",
     "catalog",
     "writer",
     "reader",

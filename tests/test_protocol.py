@@ -217,7 +217,7 @@ def test_corrupt_commit_record_is_skipped(open_store, backend_factory) -> None: 
     st = open_store()
     prev = save(st, 1)
     save(st, 2)
-    backend_factory().put(P.commit_key("run", 2, 1), [b"{not json"])
+    backend_factory().put(P.LATEST_LAYOUT.commit_key("run", 2, 1), [b"{not json"])
     sel = reader(backend_factory).latest_complete(explain=True)
     assert sel.latest.save_id == prev.save_id
     assert sel.skipped[0].reason is SkipReason.UNREADABLE_RECORD
@@ -228,12 +228,12 @@ def test_newer_protocol_version_is_not_selected_nor_deleted(open_store, backend_
     prev = save(st, 1)
     b = backend_factory()
     future = {"protocol_version": P.PROTOCOL_VERSION + 1, "kind": "commit", "step": 9}
-    b.create(P.commit_key("run", 9, 1), P.canonical_json(future))
+    b.create(P.LATEST_LAYOUT.commit_key("run", 9, 1), P.canonical_json(future))
     sel = reader(backend_factory).latest_complete(explain=True)
     assert sel.latest.save_id == prev.save_id
     assert sel.skipped[0].reason is SkipReason.UNSUPPORTED_VERSION
     st.gc(keep_last=1, grace_seconds=0)
-    assert b.exists(P.commit_key("run", 9, 1))
+    assert b.exists(P.LATEST_LAYOUT.commit_key("run", 9, 1))
 
 
 # ------------------------------------------------------------ invariant 2
@@ -382,7 +382,7 @@ def test_zombie_commit_that_slipped_through_is_superseded(open_store, backend_fa
     w = old.save(280)
     w.put("model", b"z")
     rec = P.CommitRecord("run", 280, 1, w.save_id, old.writer_id, old.identity_digest, w.components, 0.0)
-    backend_factory().create(P.commit_key("run", 280, 1), rec.encode())
+    backend_factory().create(P.LATEST_LAYOUT.commit_key("run", 280, 1), rec.encode())
     sel = reader(backend_factory).latest_complete(explain=True)
     assert sel.latest.step == 240
     assert sel.skipped[0].reason is SkipReason.SUPERSEDED and "attempt 2" in sel.skipped[0].detail

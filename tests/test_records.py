@@ -96,7 +96,7 @@ def test_malformed_commit_records_are_corruption_errors(data: bytes) -> None:
 
 def test_newer_version_is_its_own_error() -> None:
     with pytest.raises(P.UnsupportedVersion):
-        CommitRecord.decode(_mutated(protocol_version=2), "x")
+        CommitRecord.decode(_mutated(protocol_version=P.PROTOCOL_VERSION + 1), "x")
 
 
 def test_oversized_record_refused_before_parsing() -> None:
@@ -188,7 +188,7 @@ def test_copied_commit_with_edited_step_is_never_selected(backend_factory: Calla
     forged = rec.to_record()
     forged["step"] = 900
     data = json.dumps(forged, sort_keys=True, separators=(",", ":")).encode()
-    RawAccess(backend_factory()).set(P.commit_key("run", 900, 1), data)
+    RawAccess(backend_factory()).set(P.LATEST_LAYOUT.commit_key("run", 900, 1), data)
     sel = CheckpointStore.open(backend_factory(), "run", mode="r").latest_complete(explain=True)
     assert sel.latest is not None and sel.latest.step == 1
     assert sel.skipped[0].step == 900 and sel.skipped[0].reason is SkipReason.UNREADABLE_RECORD
@@ -205,7 +205,7 @@ def test_forged_old_commit_naming_the_newest_save_cannot_make_gc_delete_it(
     forged["step"] = 0
     forged["save_id"] = newest.save_id
     RawAccess(backend_factory()).set(
-        P.commit_key("run", 0, 1), json.dumps(forged, sort_keys=True, separators=(",", ":")).encode()
+        P.LATEST_LAYOUT.commit_key("run", 0, 1), json.dumps(forged, sort_keys=True, separators=(",", ":")).encode()
     )
     st.gc(keep_last=1, grace_seconds=0)
     reader = CheckpointStore.open(backend_factory(), "run", mode="r")
@@ -224,7 +224,7 @@ def test_pathological_records_are_errors_not_crashes(backend_factory: Callable[[
     st = _store(backend_factory)
     good = _save(st, 1)
     raw = RawAccess(backend_factory())
-    raw.set(P.commit_key("run", 5, 1), payload)
+    raw.set(P.LATEST_LAYOUT.commit_key("run", 5, 1), payload)
     raw.set(P.run_record_key("other"), payload)
     reader = CheckpointStore.open(backend_factory(), "run", mode="r")
     sel = reader.latest_complete(explain=True)
@@ -241,7 +241,7 @@ def test_junk_commits_of_unregistered_attempts_are_not_read() -> None:
     good = _save(st, 1)
     raw = RawAccess(mem)
     for i in range(2000):
-        raw.set(P.commit_key("run", 10 + i, 77), b"junk" * 100)
+        raw.set(P.LATEST_LAYOUT.commit_key("run", 10 + i, 77), b"junk" * 100)
     counting = FaultyBackend(mem)
     sel = CheckpointStore.open(counting, "run", mode="r").latest_complete(explain=True)
     assert sel.latest is not None and sel.latest.save_id == good.save_id

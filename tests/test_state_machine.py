@@ -118,7 +118,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _landed(self, step: int, attempt: int, save_id: str, data: dict[str, bytes]) -> None:
         """After a crash: the commit record may have landed before the process died."""
         try:
-            raw = self.inner.get(P.commit_key(RUN, step, attempt))
+            raw = self.inner.get(P.LATEST_LAYOUT.commit_key(RUN, step, attempt))
         except Exception:  # noqa: BLE001
             return
         rec = P.CommitRecord.decode(raw, "raw")

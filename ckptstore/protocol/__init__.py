@@ -1,7 +1,8 @@
 """The publication protocol in executable form: pure, no I/O.
 
 * :mod:`.canonical` — the one canonical JSON encoder and the strict decoder;
-* :mod:`.layout` — key names, their parsing, input validation;
+* :mod:`.layout` — key names (a run's commit-name :class:`Layout`), their
+  parsing, input validation;
 * :mod:`.records` — typed run, attempt, commit and event records;
 * :mod:`.selection` — which commits are in the run's history, candidate
   order, save states, skip reasons;
@@ -13,22 +14,26 @@
 from .canonical import canonical_json, decode_json
 from .layout import (
     ATTEMPT_WIDTH,
+    LATEST_LAYOUT,
+    LAYOUT_V1,
+    LAYOUT_V2,
     MAX_ATTEMPT,
     MAX_STEP,
+    PROTOCOL_VERSION,
     RESERVED_MARK,
     RUN_RECORD,
     STEP_WIDTH,
+    Layout,
     attempt_key,
     attempts_prefix,
-    commit_key,
     commits_prefix,
     component_key,
     event_name,
     events_prefix,
     is_component_name,
+    layout_of,
     new_save_id,
     parse_attempt_name,
-    parse_commit_name,
     parse_event_name,
     parse_save_id,
     run_prefix,
@@ -41,7 +46,6 @@ from .layout import (
     validate_step,
 )
 from .records import (
-    PROTOCOL_VERSION,
     AttemptRecord,
     CommitRecord,
     ComponentEntry,
@@ -54,6 +58,9 @@ from .records import (
 
 __all__ = [
     "ATTEMPT_WIDTH",
+    "LATEST_LAYOUT",
+    "LAYOUT_V1",
+    "LAYOUT_V2",
     "MAX_ATTEMPT",
     "MAX_STEP",
     "PROTOCOL_VERSION",
@@ -64,12 +71,12 @@ __all__ = [
     "CommitRecord",
     "ComponentEntry",
     "EventRecord",
+    "Layout",
     "RunRecord",
     "UnsupportedVersion",
     "attempt_key",
     "attempts_prefix",
     "canonical_json",
-    "commit_key",
     "commits_prefix",
     "component_key",
     "decode_json",
@@ -77,10 +84,10 @@ __all__ = [
     "event_name",
     "events_prefix",
     "is_component_name",
+    "layout_of",
     "new_save_id",
     "now",
     "parse_attempt_name",
-    "parse_commit_name",
     "parse_event_name",
     "parse_save_id",
     "run_prefix",

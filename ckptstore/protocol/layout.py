@@ -2,12 +2,18 @@
 
 Every key ckptstore creates parses back with the functions here; anything in
 the store whose name does not parse is not ckptstore's and is never deleted.
+
+A run's commit records are named by its :class:`Layout`, fixed by the
+protocol version of the run record (PROTOCOL.md §1.1): version 1 names them
+oldest first, version 2 newest first, so that an ascending listing (what
+object stores return) starts with the candidates selection tries first.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import dataclass
 
 from ..errors import InvalidInputError
 
@@ -22,6 +28,9 @@ ATTEMPT_WIDTH = 8
 MAX_STEP = 10**STEP_WIDTH - 1
 MAX_ATTEMPT = 10**ATTEMPT_WIDTH - 1
 
+#: The newest protocol version this code reads, and the one it gives new runs.
+PROTOCOL_VERSION = 2
+
 #: Reserved for backends' temporary names (the local backend's temp files);
 #: never part of a key, so a temporary can never be mistaken for an object.
 RESERVED_MARK = ".ckpt-tmp-"
@@ -29,6 +38,9 @@ RESERVED_MARK = ".ckpt-tmp-"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 _COMMIT_RE = re.compile(rf"^(\d{{{STEP_WIDTH}}})\.(\d{{{ATTEMPT_WIDTH}}})\.json$")
+_COMMIT_V2_RE = re.compile(
+    rf"^(\d{{{STEP_WIDTH}}})\.(\d{{{ATTEMPT_WIDTH}}})-(\d{{{STEP_WIDTH}}})\.(\d{{{ATTEMPT_WIDTH}}})\.json$"
+)
 _ATTEMPT_RE = re.compile(rf"^(\d{{{ATTEMPT_WIDTH}}})\.json$")
 _SAVE_ID_RE = re.compile(rf"^(\d{{{STEP_WIDTH}}})-(\d{{{ATTEMPT_WIDTH}}})-([0-9a-f]{{12}})$")
 _EVENT_RE = re.compile(r"^(\d{20})-([A-Za-z0-9_-]{1,64})-([0-9a-f]{8})\.json$")
@@ -109,10 +121,6 @@ def commits_prefix(run_id: str) -> str:
     return f"{run_id}/{COMMITS_DIR}/"
 
 
-def commit_key(run_id: str, step: int, attempt: int) -> str:
-    return f"{run_id}/{COMMITS_DIR}/{step:0{STEP_WIDTH}d}.{attempt:0{ATTEMPT_WIDTH}d}.json"
-
-
 def saves_prefix(run_id: str) -> str:
     return f"{run_id}/{SAVES_DIR}/"
 
@@ -141,13 +149,6 @@ def new_save_id(step: int, attempt: int) -> str:
     return f"{step:0{STEP_WIDTH}d}-{attempt:0{ATTEMPT_WIDTH}d}-{uuid.uuid4().hex[:12]}"
 
 
-def parse_commit_name(name: str) -> tuple[int, int] | None:
-    m = _COMMIT_RE.match(name)
-    if not m or int(m.group(2)) < 1:
-        return None
-    return int(m.group(1)), int(m.group(2))
-
-
 def parse_attempt_name(name: str) -> int | None:
     m = _ATTEMPT_RE.match(name)
     return int(m.group(1)) if m and int(m.group(1)) >= 1 else None
@@ -163,3 +164,82 @@ def parse_save_id(save_id: str) -> tuple[int, int] | None:
 def parse_event_name(name: str) -> tuple[int, str] | None:
     m = _EVENT_RE.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+# ---------------------------------------------------------------------------
+# commit-record names: the one thing the two layouts name differently
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one run names its commit records (PROTOCOL.md §1.1).
+
+    * version 1: ``<step:012d>.<attempt:08d>.json`` — oldest first in an
+      ascending listing, so the newest candidate is known only after the
+      whole ``commits/`` prefix was listed;
+    * version 2: ``<S:012d>.<A:08d>-<step:012d>.<attempt:08d>.json`` with
+      ``S = 10^12-1-step`` and ``A = 10^8-1-attempt`` — newest first: the
+      first keys of an ascending listing are the candidates selection tries
+      first. The plain step and attempt follow for people reading a bucket;
+      a name parses only when both halves agree.
+
+    Either way the name is a function of (step, attempt) alone, so two writers
+    of one attempt and step race for one key (create-if-absent decides), and
+    the names of one step share :meth:`step_prefix` and are contiguous in a
+    listing.
+    """
+
+    version: int
+
+    @property
+    def newest_first(self) -> bool:
+        return self.version >= 2
+
+    def commit_name(self, step: int, attempt: int) -> str:
+        validate_step(step)
+        if not 1 <= attempt <= MAX_ATTEMPT:
+            raise InvalidInputError(f"attempt number {attempt} is outside 1..{MAX_ATTEMPT}")
+        plain = f"{step:0{STEP_WIDTH}d}.{attempt:0{ATTEMPT_WIDTH}d}"
+        if not self.newest_first:
+            return f"{plain}.json"
+        return f"{MAX_STEP - step:0{STEP_WIDTH}d}.{MAX_ATTEMPT - attempt:0{ATTEMPT_WIDTH}d}-{plain}.json"
+
+    def commit_key(self, run_id: str, step: int, attempt: int) -> str:
+        return f"{run_id}/{COMMITS_DIR}/{self.commit_name(step, attempt)}"
+
+    def parse_commit_name(self, name: str) -> tuple[int, int] | None:
+        """(step, attempt) of a commit-record name of this layout; None for
+        anything else (a name of the other layout included)."""
+        if not self.newest_first:
+            m = _COMMIT_RE.match(name)
+            if not m or int(m.group(2)) < 1:
+                return None
+            return int(m.group(1)), int(m.group(2))
+        m = _COMMIT_V2_RE.match(name)
+        if not m:
+            return None
+        step, attempt = int(m.group(3)), int(m.group(4))
+        if attempt < 1 or int(m.group(1)) != MAX_STEP - step or int(m.group(2)) != MAX_ATTEMPT - attempt:
+            return None
+        return step, attempt
+
+    def step_prefix(self, step: int) -> str:
+        """The start every commit-record name of ``step`` shares (and no other step's)."""
+        return f"{(MAX_STEP - step) if self.newest_first else step:0{STEP_WIDTH}d}."
+
+
+LAYOUT_V1 = Layout(1)
+LAYOUT_V2 = Layout(2)
+#: The layout of runs created now (``PROTOCOL_VERSION``).
+LATEST_LAYOUT = LAYOUT_V2
+_LAYOUTS = {1: LAYOUT_V1, 2: LAYOUT_V2}
+
+
+def layout_of(version: int) -> Layout:
+    """The layout of a run whose run record has ``version`` (1 … :data:`PROTOCOL_VERSION`)."""
+    layout = _LAYOUTS.get(version) if isinstance(version, int) and not isinstance(version, bool) else None
+    if layout is None:
+        raise InvalidInputError(
+            f"protocol version {version!r} is not one this ckptstore writes (1 … {PROTOCOL_VERSION})"
+        )
+    return layout

@@ -22,12 +22,13 @@ import blake3
 from ..errors import CorruptionError
 from .auth import AuthTag
 from .canonical import canonical_json, decode_json
-from .layout import MAX_ATTEMPT, MAX_STEP, is_component_name, parse_save_id, validate_event_kind
+from .layout import MAX_ATTEMPT, MAX_STEP, PROTOCOL_VERSION, is_component_name, parse_save_id, validate_event_kind
 
-#: Version written into every record. A reader accepts records whose version
-#: is <= this number; a record with a higher version is reported as
-#: "unsupported protocol version" and never selected or deleted.
-PROTOCOL_VERSION = 1
+# PROTOCOL_VERSION (defined with the layouts): a reader accepts records whose
+# version is <= it; a record with a higher version is reported as "unsupported
+# protocol version" and never selected or deleted. A writer stamps every
+# record with the version of the run it writes into (PROTOCOL.md §1.1), so a
+# run created under version 1 stays readable by a version-1 reader.
 
 #: Size caps, checked before parsing.
 MAX_RUN_RECORD = 1 << 20
@@ -87,6 +88,7 @@ class Signable:
     kind = ""
     auth: AuthTag | None
     body_digest: str
+    version: int
 
     def to_record(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -180,12 +182,14 @@ class RunRecord(Signable):
     lineage: dict[str, Any] | None = None
     auth: AuthTag | None = field(default=None, compare=False)
     body_digest: str = field(default="", compare=False)
+    #: protocol version stamped into the record: the version of the run it belongs to
+    version: int = field(default=PROTOCOL_VERSION, compare=False)
     kind = "run"
 
     def to_record(self) -> dict[str, Any]:
         return _with_auth(
             {
-                "protocol_version": PROTOCOL_VERSION,
+                "protocol_version": self.version,
                 "kind": "run",
                 "run_id": self.run_id,
                 "identity": self.identity,
@@ -204,7 +208,7 @@ class RunRecord(Signable):
         assert identity is not None
         return cls(
             _check_run_id(f, run_id), identity, f.text("identity_digest", _HEX64), f.time("created_at"),
-            f.obj("lineage", optional=True), *_auth_of(raw, where, data),
+            f.obj("lineage", optional=True), *_auth_of(raw, where, data), version=raw["protocol_version"],
         )
 
 
@@ -227,11 +231,13 @@ class AttemptRecord(Signable):
     host: str = ""
     auth: AuthTag | None = field(default=None, compare=False)
     body_digest: str = field(default="", compare=False)
+    #: protocol version stamped into the record: the version of the run it belongs to
+    version: int = field(default=PROTOCOL_VERSION, compare=False)
     kind = "attempt"
 
     def to_record(self) -> dict[str, Any]:
         return _with_auth({
-            "protocol_version": PROTOCOL_VERSION,
+            "protocol_version": self.version,
             "kind": "attempt",
             "run_id": self.run_id,
             "attempt": self.number,
@@ -258,6 +264,7 @@ class AttemptRecord(Signable):
         return cls(
             _check_run_id(f, run_id), n, f.int_in("resumed_from", 0, MAX_STEP, optional=True),
             f.text("writer_id", _WRITER), f.time("created_at"), tuple(abandons), f.text("host"), *_auth_of(raw, where, data),
+            version=raw["protocol_version"],
         )
 
 
@@ -298,11 +305,13 @@ class CommitRecord(Signable):
     body_digest: str = field(default="", compare=False)
     #: BLAKE3 of the stored bytes, set when decoded (they are canonical, so it is the manifest digest)
     stored_digest: str = field(default="", compare=False)
+    #: protocol version stamped into the record: the version of the run it belongs to
+    version: int = field(default=PROTOCOL_VERSION, compare=False)
     kind = "commit"
 
     def to_record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {
-            "protocol_version": PROTOCOL_VERSION,
+            "protocol_version": self.version,
             "kind": "commit",
             "run_id": self.run_id,
             "step": self.step,
@@ -370,6 +379,7 @@ class CommitRecord(Signable):
         return cls(
             _check_run_id(f, run_id), s, a, sid, f.text("writer_id", _WRITER), f.text("identity_digest", _HEX64),
             comps, f.time("created_at"), metadata, ranks, world, *_auth_of(raw, where, data), digest_bytes(data),
+            version=raw["protocol_version"],
         )
 
 
@@ -383,12 +393,14 @@ class EventRecord(Signable):
     payload: dict[str, Any]
     auth: AuthTag | None = field(default=None, compare=False)
     body_digest: str = field(default="", compare=False)
+    #: protocol version stamped into the record: the version of the run it belongs to
+    version: int = field(default=PROTOCOL_VERSION, compare=False)
     kind = "event"
 
     def to_record(self) -> dict[str, Any]:
         return _with_auth(
             {
-                "protocol_version": PROTOCOL_VERSION,
+                "protocol_version": self.version,
                 "kind": "event",
                 "event": self.event,
                 "at": self.at,
@@ -412,4 +424,7 @@ class EventRecord(Signable):
             raise f.bad("event", "an event kind") from None
         payload = f.obj("payload")
         assert payload is not None
-        return cls(kind, f.time("at"), f.int_in("attempt", 1, MAX_ATTEMPT, optional=True), payload, *_auth_of(raw, where, data))
+        return cls(
+            kind, f.time("at"), f.int_in("attempt", 1, MAX_ATTEMPT, optional=True), payload, *_auth_of(raw, where, data),
+            version=raw["protocol_version"],
+        )

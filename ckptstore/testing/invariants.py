@@ -26,7 +26,9 @@ import blake3
 from ..backends.base import Backend
 from ..errors import NotFoundError
 
-_COMMIT_NAME = re.compile(r"^(\d{12})\.(\d{8})\.json$")
+_COMMIT_NAME = re.compile(r"^(\d{12})\.(\d{8})\.json$")  # a version-1 run (oldest first)
+# a version-2 run (newest first): inverted step and attempt, then the plain ones
+_COMMIT_NAME_V2 = re.compile(r"^\d{12}\.\d{8}-(\d{12})\.(\d{8})\.json$")
 _ATTEMPT_NAME = re.compile(r"^(\d{8})\.json$")
 
 
@@ -51,8 +53,9 @@ def raw_commits(backend: Backend, run_id: str, *, skip: Container[str] = ()) -> 
     oldest step first, read raw."""
     out: list[RawCommit] = []
     prefix = f"{run_id}/commits/"
+    name = _COMMIT_NAME_V2 if _run_version(backend, run_id) >= 2 else _COMMIT_NAME
     for o in backend.list(prefix):
-        m = _COMMIT_NAME.match(o.key[len(prefix) :])
+        m = name.match(o.key[len(prefix) :])
         if m is None or o.key in skip:
             continue
         step, attempt = int(m.group(1)), int(m.group(2))
@@ -71,6 +74,16 @@ def raw_commits(backend: Backend, run_id: str, *, skip: Container[str] = ()) -> 
         out.append(RawCommit(o.key, step, attempt, rec))
     out.sort(key=lambda c: (c.step, c.attempt))
     return out
+
+
+def _run_version(backend: Backend, run_id: str) -> int:
+    """The protocol version in the run's RUN.json (it fixes how commits are named)."""
+    try:
+        rec = json.loads(backend.get(f"{run_id}/RUN.json").decode("utf-8"))
+    except (NotFoundError, UnicodeDecodeError, ValueError):
+        return 1
+    version = rec.get("protocol_version") if isinstance(rec, dict) else None
+    return version if isinstance(version, int) else 1
 
 
 def _digest(backend: Backend, key: str) -> tuple[int, str]:
@@ -99,7 +112,7 @@ def invariant_1_violations(backend: Backend, run_id: str, *, known_good: set[str
             problems.append(f"{where}: {c.problem}")
             continue
         version = c.record.get("protocol_version")
-        if isinstance(version, int) and version > 1:
+        if isinstance(version, int) and version > 2:
             continue
         comps = c.record.get("components")
         sid = c.save_id

@@ -89,13 +89,13 @@ MUTATIONS: list[Mutation] = [
         "gc deletes a save's commit record before its components (PROTOCOL §4.5 step 3)",
         "ckptstore/gcrun.py",
         (("""        if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
-            actions.append(GcAction(commit_key(io.run_id, info.step, info.attempt), reason))
+            actions.append(GcAction(catalog.commit_key(info.step, info.attempt), reason))
         for name in sorted(scan.save_objects.get(info.save_id, {})):
             actions.append(GcAction(component_key(io.run_id, info.save_id, name), reason))""",
           """        for name in sorted(scan.save_objects.get(info.save_id, {})):
             actions.append(GcAction(component_key(io.run_id, info.save_id, name), reason))
         if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
-            actions.append(GcAction(commit_key(io.run_id, info.step, info.attempt), reason))"""),),
+            actions.append(GcAction(catalog.commit_key(info.step, info.attempt), reason))"""),),
         (f"{T_INV}::test_crash_at_every_operation_of_gc",),
         survivor=True,
     ),

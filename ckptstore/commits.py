@@ -1,0 +1,115 @@
+"""Which commit records a run has, by name (PROTOCOL.md §1.1, §4.4): newest
+first, all of them, or those of one step. Names only — what a record says is
+the catalog's business.
+
+On a version-2 run the names sort newest first, so the newest candidates are
+the first keys of the ``commits/`` listing: on an object store that is one
+request whatever the length of the history (small pages first, larger ones
+only when the walk goes on). A version-1 run names its commits oldest first:
+its candidates are known only after the whole prefix was listed (names only).
+
+Keys under ``commits/`` that do not parse as a commit name of the run's layout
+are not ckptstore's: skipped, counted in :attr:`CommitKeys.junk`, never read.
+They cost listing only (a thousand of them one more request at most), never a
+record read, and cannot hide a real commit: paging goes on past them.
+
+The walk relies on the listing's order for the names it parses (fixed width,
+one folder: byte order and an S3 server's folder-by-folder order agree), and
+checks it: a name out of order, or a page that does not advance, is an error
+(:class:`StoreUnavailableError`), never a silently older selection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .backends.base import ObjectInfo
+from .errors import StoreUnavailableError
+from .protocol import commits_prefix
+from .protocol.selection import candidate_order
+from .runio import RunIO
+
+#: Keys asked for by the first listing request of a paged walk (most
+#: selections stop at the newest commit), then pages grow 8x up to PAGE.
+FIRST_PAGE = 16
+PAGE = 1000
+
+
+class CommitKeys:
+    """The commit-record names of one run, through its layout."""
+
+    def __init__(self, io: RunIO) -> None:
+        self.io = io
+        self.prefix = commits_prefix(io.run_id)
+        #: names under ``commits/`` that did not parse, seen by the last walk
+        self.junk = 0
+
+    def _parse(self, key: str) -> tuple[int, int] | None:
+        sa = self.io.layout.parse_commit_name(key[len(self.prefix) :])
+        if sa is None:
+            self.junk += 1
+        return sa
+
+    def _keys_from(self, start_after: str) -> Iterator[str]:
+        """Keys after ``start_after``, ascending, fetched as the caller goes on
+        (stop iterating and no further page is asked for)."""
+        if not self.io.backend.capabilities.list_pages:
+            yield from self.io.list_keys(self.prefix, start_after=start_after)
+            return
+        size = FIRST_PAGE
+        while True:
+            keys = self.io.list_keys(self.prefix, start_after=start_after, limit=size)
+            yield from keys
+            if len(keys) < size:
+                return
+            if keys[-1] == start_after:
+                raise self._disorder(f"a listing after {start_after!r} returned it again")
+            start_after, size = keys[-1], min(PAGE, size * 8)
+
+    def _disorder(self, what: str) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"{self.io.where(self.prefix)}: the backend's listing is out of order ({what[:300]}); "
+            "refusing to select from it"
+        )
+
+    def newest_first(self) -> Iterator[tuple[int, int]]:
+        """(step, attempt) of every commit, newest first (by step, then attempt)."""
+        self.junk = 0
+        if not self.io.layout.newest_first:
+            yield from candidate_order(sa for k in self.io.list_keys(self.prefix) if (sa := self._parse(k)))
+            return
+        last: tuple[int, int] | None = None
+        for key in self._keys_from(""):
+            sa = self._parse(key)
+            if sa is None:
+                continue
+            if last is not None and sa >= last:
+                raise self._disorder(f"{key!r} listed after the commit of step {last[0]}, attempt {last[1]}")
+            last = sa
+            yield sa
+
+    def attempts_of(self, step: int) -> list[int]:
+        """The attempts that committed ``step``, highest first: one listing
+        request on either layout (the names of a step are contiguous)."""
+        self.junk = 0
+        start = self.prefix + self.io.layout.step_prefix(step)
+        found: list[int] = []
+        for key in self._keys_from(start[:-1]):
+            if key < start:
+                continue  # sorts between the step's digits and its names: not a name of ours
+            if not key.startswith(start):
+                break
+            sa = self._parse(key)
+            if sa is not None and sa[0] == step:
+                found.append(sa[1])
+        return sorted(found, reverse=True)
+
+    def listed(self) -> dict[tuple[int, int], ObjectInfo]:
+        """Every commit with its listing entry (size, time): one full listing."""
+        self.junk = 0
+        out: dict[tuple[int, int], ObjectInfo] = {}
+        for o in self.io.list(self.prefix):
+            sa = self._parse(o.key)
+            if sa is not None:
+                out[sa] = o
+        return out

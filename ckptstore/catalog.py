@@ -146,10 +146,12 @@ class Catalog:
     def commit_key(self, step: int, attempt: int) -> str:
         return self.io.layout.commit_key(self.io.run_id, step, attempt)
 
-    def load_commit(self, step: int, attempt: int, listed: ObjectInfo | None = None) -> CommitRecord:
+    def load_commit(
+        self, step: int, attempt: int, listed: ObjectInfo | None = None, key: str | None = None
+    ) -> CommitRecord:
         """The decoded record (one bounded read), or the cached one when
         ``listed`` (its listing entry) matches the entry it was read under."""
-        key = self.commit_key(step, attempt)
+        key = key or self.commit_key(step, attempt)
         seen = (listed.size, listed.mtime) if listed is not None else None
         if seen is not None and (hit := self.records.get(key, seen)) is not None:
             return hit
@@ -203,8 +205,9 @@ class Catalog:
             detail = f"made by attempt {attempt}, which was never registered (record not read)"
             return Candidate(step, attempt, None, [(SkipReason.UNREGISTERED_ATTEMPT, detail)], None)
         later = superseded_by(step, attempt, scan.attempts.effective)
+        key = self.commit_key(step, attempt)
         try:
-            rec = self.load_commit(step, attempt, scan.commits.get((step, attempt)))
+            rec = self.load_commit(step, attempt, scan.commits.get((step, attempt)), key)
         except UnsupportedVersion as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNSUPPORTED_VERSION, str(exc))], None)
         except NotFoundError:
@@ -212,7 +215,7 @@ class Catalog:
         except CorruptionError as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, str(exc))], None)
         sid = rec.save_id
-        why = self.auth.judge(rec, self.io.run_id, self.io, self.commit_key(step, attempt))
+        why = self.auth.judge(rec, self.io.run_id, self.io, key)
         if why is not None:
             return Candidate(step, attempt, None, [(SkipReason.UNAUTHENTICATED, why)], sid)
         if later is not None:

@@ -50,16 +50,16 @@ class CommitKeys:
             self.junk += 1
         return sa
 
-    def _keys_from(self, start_after: str) -> Iterator[str]:
-        """Keys after ``start_after``, ascending, fetched as the caller goes on
-        (stop iterating and no further page is asked for)."""
+    def _pages(self, start_after: str) -> Iterator[list[str]]:
+        """Keys after ``start_after``, ascending, a page at a time as the
+        caller goes on (stop iterating and no further page is asked for)."""
         if not self.io.backend.capabilities.list_pages:
-            yield from self.io.list_keys(self.prefix, start_after=start_after)
+            yield self.io.list_keys(self.prefix, start_after=start_after)
             return
         size = FIRST_PAGE
         while True:
             keys = self.io.list_keys(self.prefix, start_after=start_after, limit=size)
-            yield from keys
+            yield keys
             if len(keys) < size:
                 return
             if keys[-1] == start_after:
@@ -79,14 +79,15 @@ class CommitKeys:
             yield from candidate_order(sa for k in self.io.list_keys(self.prefix) if (sa := self._parse(k)))
             return
         last: tuple[int, int] | None = None
-        for key in self._keys_from(""):
-            sa = self._parse(key)
-            if sa is None:
-                continue
-            if last is not None and sa >= last:
-                raise self._disorder(f"{key!r} listed after the commit of step {last[0]}, attempt {last[1]}")
-            last = sa
-            yield sa
+        for page in self._pages(""):
+            # the whole page is checked before any of it is tried: a candidate
+            # listed out of place must not be taken for the newest
+            found = [sa for k in page if (sa := self._parse(k)) is not None]
+            for sa in found:
+                if last is not None and sa >= last:
+                    raise self._disorder(f"step {sa[0]}, attempt {sa[1]} listed after step {last[0]}, attempt {last[1]}")
+                last = sa
+            yield from found
 
     def attempts_of(self, step: int) -> list[int]:
         """The attempts that committed ``step``, highest first: one listing
@@ -94,14 +95,15 @@ class CommitKeys:
         self.junk = 0
         start = self.prefix + self.io.layout.step_prefix(step)
         found: list[int] = []
-        for key in self._keys_from(start[:-1]):
-            if key < start:
-                continue  # sorts between the step's digits and its names: not a name of ours
-            if not key.startswith(start):
-                break
-            sa = self._parse(key)
-            if sa is not None and sa[0] == step:
-                found.append(sa[1])
+        for page in self._pages(start[:-1]):
+            for key in page:
+                if key < start:
+                    continue  # sorts between the step's digits and its names: not a name of ours
+                if not key.startswith(start):
+                    return sorted(found, reverse=True)
+                sa = self._parse(key)
+                if sa is not None and sa[0] == step:
+                    found.append(sa[1])
         return sorted(found, reverse=True)
 
     def listed(self) -> dict[tuple[int, int], ObjectInfo]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .authn import RecordAuth
 from .errors import CorruptionError, NotFoundError, StoreUnavailableError, SupersededError
@@ -35,7 +36,7 @@ class AttemptView:
     #: number -> why the record cannot be used (unreadable, newer version)
     unreadable: dict[int, str] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def effective(self) -> dict[int, AttemptRecord]:
         return effective_attempts(self.records)
 

@@ -183,14 +183,21 @@ class LocalBackend(Backend):
         return out
 
     def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
-        """Names only: the directory entries' types tell files from the rest, nothing is stat'ed."""
+        """Names only: the directory entries' types tell files from the rest,
+        nothing is stat'ed; folders whose keys all sort before ``start_after``
+        are not entered."""
         top = self._list_top(prefix)
         if top is None:
             return []
-        keys = []
-        for dirpath, _dirs, files in self.ops.walk(top):
+        keys: builtins.list[str] = []
+        for dirpath, dirs, files in self.ops.walk(top):
             rel = self._rel_dir(dirpath)
-            keys += [k for f in files if TMP_MARK not in f and (k := rel + f).startswith(prefix) and k > start_after]
+            if start_after:  # prune: every key in folder rel+d+'/' sorts before start_after
+                dirs[:] = [d for d in dirs if (p := rel + d + "/") > start_after or start_after.startswith(p)]
+            found = [rel + f for f in files if TMP_MARK not in f]
+            if not rel.startswith(prefix):
+                found = [k for k in found if k.startswith(prefix)]
+            keys += [k for k in found if k > start_after] if start_after else found
         keys.sort()
         return keys if limit is None else keys[: max(0, limit)]
 
@@ -202,8 +209,13 @@ class LocalBackend(Backend):
 
     def _rel_dir(self, dirpath: str) -> str:
         """The key prefix of the files in ``dirpath`` ('' at the root, else 'a/b/')."""
-        rel = os.path.relpath(dirpath, self.root)
-        return "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        if dirpath == self.root:
+            return ""
+        if dirpath.startswith(self.root.rstrip(os.sep) + os.sep):
+            rel = dirpath[len(self.root.rstrip(os.sep)) + 1 :]
+        else:
+            rel = os.path.relpath(dirpath, self.root)
+        return rel.replace(os.sep, "/") + "/"
 
     def size(self, key: str) -> int:
         try:

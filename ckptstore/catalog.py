@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .authn import RecordAuth
 from .backends.base import ObjectInfo
@@ -51,6 +51,10 @@ from .runio import RunIO
 Problems = list[tuple[SkipReason, str]]
 #: Bytes of decoded commit records a store keeps (:class:`RecordCache`).
 RECORD_CACHE_BYTES = 64 << 20
+#: A full walk reads the records it has not cached in batches of at most this
+#: many records and listed bytes (concurrent requests on an object store).
+BATCH_RECORDS = 256
+BATCH_BYTES = 32 << 20
 
 
 @dataclass
@@ -67,6 +71,8 @@ class Scan:
     saves_listed: bool = True
     #: manifest digests deep-verified earlier in the same operation (not re-hashed)
     memo: set[str] | None = None
+    #: record bytes read ahead in one batch (``Catalog.walk``), by key; None: missing
+    fetched: dict[str, bytes | None] = field(default_factory=dict)
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
@@ -147,15 +153,22 @@ class Catalog:
         return self.io.layout.commit_key(self.io.run_id, step, attempt)
 
     def load_commit(
-        self, step: int, attempt: int, listed: ObjectInfo | None = None, key: str | None = None
+        self, step: int, attempt: int, listed: ObjectInfo | None = None, key: str | None = None,
+        fetched: dict[str, bytes | None] | None = None,
     ) -> CommitRecord:
-        """The decoded record (one bounded read), or the cached one when
-        ``listed`` (its listing entry) matches the entry it was read under."""
+        """The decoded record (one bounded read, or the bytes ``fetched`` ahead),
+        or the cached one when ``listed`` (its listing entry) matches the entry
+        it was read under."""
         key = key or self.commit_key(step, attempt)
         seen = (listed.size, listed.mtime) if listed is not None else None
         if seen is not None and (hit := self.records.get(key, seen)) is not None:
             return hit
-        data = self.io.get_bounded(key, MAX_COMMIT_RECORD)
+        if fetched is not None and key in fetched:
+            data = fetched.pop(key)
+            if data is None:
+                raise NotFoundError(f"{self.io.where(key)}: no such object")
+        else:
+            data = self.io.get_bounded(key, MAX_COMMIT_RECORD)
         rec = CommitRecord.decode(data, self.io.where(key), run_id=self.io.run_id, step=step, attempt=attempt)
         if seen is not None and seen[0] == len(data):
             self.records.put(key, seen, rec)
@@ -207,7 +220,7 @@ class Catalog:
         later = superseded_by(step, attempt, scan.attempts.effective)
         key = self.commit_key(step, attempt)
         try:
-            rec = self.load_commit(step, attempt, scan.commits.get((step, attempt)), key)
+            rec = self.load_commit(step, attempt, scan.commits.get((step, attempt)), key, scan.fetched)
         except UnsupportedVersion as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNSUPPORTED_VERSION, str(exc))], None)
         except NotFoundError:
@@ -240,7 +253,7 @@ class Catalog:
         size check)."""
         seen_steps: set[int] = set()
         verified = 0
-        for step, attempt in order if order is not None else candidate_order(scan.commits):
+        for step, attempt in order if order is not None else self._fetching(scan):
             c = self.evaluate(step, attempt, scan, deep and (deep_until is None or verified < deep_until))
             if c.ref is not None and step not in seen_steps:
                 verified += 1
@@ -250,6 +263,27 @@ class Catalog:
             if c.ref is not None:
                 seen_steps.add(step)
             yield c
+
+    def _fetching(self, scan: Scan) -> Iterator[tuple[int, int]]:
+        """The scan's commits newest first; before each batch of them, the
+        records the cache does not hold are read in one ``get_many``."""
+        order = candidate_order(scan.commits)
+        i = 0
+        while i < len(order):
+            batch: list[tuple[int, int]] = []
+            size = 0
+            while i < len(order) and len(batch) < BATCH_RECORDS and (not batch or size < BATCH_BYTES):
+                batch.append(order[i])
+                size += scan.commits[order[i]].size
+                i += 1
+            want = []
+            for sa in batch:
+                info, key = scan.commits[sa], self.commit_key(*sa)
+                if sa[1] in scan.attempts.records and self.records.get(key, (info.size, info.mtime)) is None:
+                    want.append(key)
+            scan.fetched = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD), strict=True))
+            yield from batch
+        scan.fetched = {}
 
     # ------------------------------------------------------------ selection
     def select(

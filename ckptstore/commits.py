@@ -78,16 +78,23 @@ class CommitKeys:
         if not self.io.layout.newest_first:
             yield from candidate_order(sa for k in self.io.list_keys(self.prefix) if (sa := self._parse(k)))
             return
-        last: tuple[int, int] | None = None
+        # The whole page is checked before any of it is tried (a candidate listed
+        # out of place must not be taken for the newest): every key shaped like a
+        # name (its length, no '/') must sort after the one before it, which for
+        # names of this layout is newest first. Parsing then goes only as far
+        # as the caller does.
+        width = len(self.prefix) + self.io.layout.name_length
+        last = ""
         for page in self._pages(""):
-            # the whole page is checked before any of it is tried: a candidate
-            # listed out of place must not be taken for the newest
-            found = [sa for k in page if (sa := self._parse(k)) is not None]
-            for sa in found:
-                if last is not None and sa >= last:
-                    raise self._disorder(f"step {sa[0]}, attempt {sa[1]} listed after step {last[0]}, attempt {last[1]}")
-                last = sa
-            yield from found
+            for k in page:
+                if len(k) == width and "/" not in k[len(self.prefix) :]:
+                    if k <= last:
+                        raise self._disorder(f"{k[-60:]!r} listed after {last[-60:]!r}")
+                    last = k
+            for k in page:
+                sa = self._parse(k)
+                if sa is not None:
+                    yield sa
 
     def attempts_of(self, step: int) -> list[int]:
         """The attempts that committed ``step``, highest first: one listing

@@ -67,6 +67,21 @@ class RunIO:
         check to refuse)."""
         return self.retry.call(lambda: self.backend.get_range(key, 0, max_bytes + 1))
 
+    def get_many_bounded(self, keys: builtins.list[str], max_bytes: int) -> builtins.list[bytes | None]:
+        """:meth:`get_bounded` of many small objects at once (None: no such
+        object); if the batch fails transiently, one by one with retries."""
+        try:
+            return self.backend.get_many(keys, max_bytes + 1)
+        except TransientError:
+            pass
+        out: builtins.list[bytes | None] = []
+        for k in keys:
+            try:
+                out.append(self.get_bounded(k, max_bytes))
+            except NotFoundError:
+                out.append(None)
+        return out
+
     # --------------------------------------------------------------- create
     def create(self, key: str, data: bytes, *, what: str) -> bool:
         """Create-if-absent with retries and the lost-acknowledgement read-back.

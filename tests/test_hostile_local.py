@@ -142,6 +142,7 @@ def test_symlinked_commit_record_is_not_an_object_and_gc_leaves_its_target(tmp_p
     b = LocalBackend(root, create_root=False)
     assert key not in {o.key for o in b.list("run/commits/")}
     assert key not in b.list_keys("run/commits/")
+    assert b.get_many([key], 1000) == [None]  # the batched read does not follow it either
     with pytest.raises(NotFoundError):
         b.get(key)
     p = cli("gc", str(root), "run", "--apply", "--keep-last", "1", "--grace", "0")
@@ -162,6 +163,9 @@ def test_symlinked_commits_directory_lists_nothing_and_a_writer_refuses(tmp_path
     before = snapshot(out)
     reader = CheckpointStore.open(root, "run", mode="r")
     assert reader.latest_complete() is None  # the linked history is not the store's
+    assert reader.list_saves() and all(i.state.value != "committed" for i in reader.list_saves())
+    linked = [f"run/commits/{f.name}" for f in out.iterdir()]
+    assert linked and LocalBackend(root, create_root=False).get_many(linked, 1000) == [None] * len(linked)
     with pytest.raises(CkptStoreError), st.save(3) as s:
         s.put("model", b"weights-3")
     p = cli("gc", str(root), "run", "--apply", "--keep-last", "1", "--grace", "0")

@@ -147,6 +147,43 @@ def test_fuzz_commit_fields_raise_only_corruption(value: object, field: str) -> 
         pass
 
 
+def _careful(data: bytes) -> object:
+    """What the careful (hook-based) canonical decoder says: the value, or the CorruptionError class."""
+    from ckptstore.protocol import canonical
+
+    fast = canonical._canonical_fast
+    try:
+        canonical._canonical_fast = lambda d: canonical._CAREFUL  # type: ignore[assignment]
+        return P.decode_json(data, where="f", max_bytes=1 << 20, canonical=True)
+    except CorruptionError:
+        return CorruptionError
+    finally:
+        canonical._canonical_fast = fast  # type: ignore[assignment]
+
+
+SPELLINGS = st.sampled_from([
+    b"", b" ", b"1" * 25, b"-0", b"1e400", b"NaN", b"-Infinity", b'"\\ud800"', b'"\\u00e9"', b"\xc3\xa9", b"\xff",
+    b'"k":1,"k":2', b"[" * 70, b"]" * 70, b"{" * 70, b"}" * 70, b"1.0", b"1.50", b"1E5", b",", b'"a":', b"9" * 24,
+])
+
+
+@settings(max_examples=500, deadline=None)
+@given(JSONISH, st.lists(st.tuples(st.integers(min_value=0, max_value=400), SPELLINGS), max_size=3))
+def test_fast_canonical_decoding_accepts_exactly_what_the_careful_one_does(value: object, edits: list) -> None:  # type: ignore[type-arg]
+    try:
+        data = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    except (ValueError, TypeError):
+        data = b"{}"
+    for at, text in edits:  # splice hostile spellings in anywhere
+        data = data[:at] + text + data[at:]
+    want = _careful(data)
+    try:
+        got: object = P.decode_json(data, where="f", max_bytes=1 << 20, canonical=True)
+    except CorruptionError:
+        got = CorruptionError
+    assert got == want or (got != got and want != want), (data[:200], got, want)  # NaN never decodes: no NaN values
+
+
 # ------------------------------------------------------------ on a store
 
 

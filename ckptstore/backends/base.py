@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import abc
 import builtins
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 Buffer = bytes | bytearray | memoryview
@@ -107,6 +107,21 @@ class Backend(abc.ABC):
         from :meth:`list`; backends that can page or skip the stat override it."""
         keys = [o.key for o in self.list(prefix) if o.key > start_after]
         return keys if limit is None else keys[: max(0, limit)]
+
+    def get_many(self, keys: Sequence[str], max_bytes: int) -> builtins.list[bytes | None]:
+        """The first ``max_bytes`` bytes of each of many small objects (None
+        where there is no such object), in the order of ``keys``. Object stores
+        send the reads concurrently, the local disk resolves each folder once;
+        this default reads them one by one. Any other failure raises."""
+        from ..errors import NotFoundError
+
+        out: builtins.list[bytes | None] = []
+        for k in keys:
+            try:
+                out.append(self.get_range(k, 0, max_bytes))
+            except NotFoundError:
+                out.append(None)
+        return out
 
     @abc.abstractmethod
     def size(self, key: str) -> int: ...

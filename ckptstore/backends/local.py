@@ -36,7 +36,7 @@ import builtins
 import errno
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,24 @@ class LocalBackend(Backend):
             keys += [k for k in found if k > start_after] if start_after else found
         keys.sort()
         return keys if limit is None else keys[: max(0, limit)]
+
+    def get_many(self, keys: Sequence[str], max_bytes: int) -> builtins.list[bytes | None]:
+        """Each folder resolved once (no link followed), its files read relative to it."""
+        groups: dict[str, builtins.list[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(os.path.dirname(self._path(k)), []).append(i)
+        out: builtins.list[bytes | None] = [None] * len(keys)
+        for directory, idx in groups.items():
+            names = [keys[i].rsplit("/", 1)[-1] for i in idx]
+            try:
+                got = self.ops.read_many(directory, names, max_bytes)
+            except (NotFollowedError, NotAnObjectError):
+                continue  # a link or a non-directory in the way: not objects
+            except OSError as exc:
+                raise StoreUnavailableError(f"{self.root}: I/O error reading {len(idx)} records: {exc}") from None
+            for i, data in zip(idx, got, strict=True):
+                out[i] = data
+        return out
 
     def _list_top(self, prefix: str) -> str | None:
         """The deepest directory of ``prefix`` (which may end mid-name), if it is one."""

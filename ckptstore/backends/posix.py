@@ -199,6 +199,59 @@ class PosixOps:
         finally:
             os.close(fd)
 
+    def read_many(self, directory: str, names: Sequence[str], limit: int) -> list[bytes | None]:
+        """The first ``limit`` bytes of each regular file ``names`` in
+        ``directory`` (None: missing, or not a regular file), the directory
+        resolved once (no link followed) and each file opened relative to it
+        with the checks of :meth:`read`."""
+        if type(self).read is not PosixOps.read or self._below(directory) is None:
+            return [self._read_or_none(os.path.join(directory, n), limit) for n in names]
+        parts = self._below(directory)
+        assert parts is not None
+        try:
+            d = self._open_dir(parts, directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return [None] * len(names)
+        try:
+            return [self._read_at(d, n, limit) for n in names]
+        finally:
+            os.close(d)
+
+    def _read_or_none(self, path: str, limit: int) -> bytes | None:
+        try:
+            return self.read(path, 0, limit)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, NotAnObjectError):
+            return None
+
+    @staticmethod
+    def _read_at(d: int, name: str, limit: int) -> bytes | None:
+        if not name or name in (".", "..") or "/" in name:
+            return None
+        try:
+            before = os.stat(name, dir_fd=d, follow_symlinks=False)
+            if not stat.S_ISREG(before.st_mode):
+                return None
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC, dir_fd=d)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                return None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                return None
+            out = bytearray()
+            while len(out) < limit:
+                chunk = os.pread(fd, min(limit - len(out), 1 << 24), len(out))
+                if not chunk:
+                    break
+                out += chunk
+            return bytes(out)
+        finally:
+            os.close(fd)
+
     def stat(self, path: str) -> tuple[int, float]:
         """(size, mtime) of a regular file; anything else is :class:`NotAnObjectError`."""
         st = self._lstat(path)

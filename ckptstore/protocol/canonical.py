@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from ..errors import CorruptionError
@@ -83,6 +84,10 @@ def decode_json(data: bytes, *, where: str, max_bytes: int, canonical: bool = Fa
     covers exactly what a reader acts on)."""
     if len(data) > max_bytes:
         raise CorruptionError(f"{where}: {len(data)} bytes, more than the {max_bytes} allowed for it")
+    if canonical:
+        value = _canonical_fast(data)
+        if value is not _CAREFUL:
+            return value
     try:
         text = data.decode("utf-8")
         value = json.loads(
@@ -108,4 +113,32 @@ def decode_json(data: bytes, *, where: str, max_bytes: int, canonical: bool = Fa
             canonical_json(value)  # lone surrogates and the like
         except (ValueError, TypeError, UnicodeEncodeError) as exc:
             raise CorruptionError(f"{where}: not representable as JSON text ({str(exc)[:200]})") from None
+    return value
+
+
+_CAREFUL = object()
+_LONG_INT = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
+_PLAIN = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def _canonical_fast(data: bytes) -> Any:
+    """The value of canonical record bytes, parsed without the per-token hooks
+    of the careful path; ``_CAREFUL`` whenever that path must decide (it then
+    also words the error). Accepts exactly what the careful path accepts:
+    the re-encoding must reproduce the bytes, which a duplicate key, a float
+    that overflowed to infinity (refused by the encoder), a lone surrogate
+    (refused when encoded to UTF-8) or any non-canonical spelling cannot; NaN
+    and infinities are refused while parsing; an integer literal over the
+    digit bound cannot occur without a run of that many digits in the bytes
+    (then the careful path runs); nesting is checked as there."""
+    if _LONG_INT.search(data):
+        return _CAREFUL
+    try:
+        value = _PLAIN.decode(data.decode("utf-8"))
+        if canonical_json(value) != data:
+            return _CAREFUL
+    except (UnicodeError, ValueError, TypeError, RecursionError):
+        return _CAREFUL
+    if (data.count(b"[") + data.count(b"{") > MAX_DEPTH) and _depth(value) > MAX_DEPTH:
+        return _CAREFUL
     return value

@@ -223,6 +223,11 @@ class Layout:
             return None
         return step, attempt
 
+    @property
+    def name_length(self) -> int:
+        """Every commit-record name of this layout has this many characters."""
+        return len(self.commit_name(0, 1))
+
     def step_prefix(self, step: int) -> str:
         """The start every commit-record name of ``step`` shares (and no other step's)."""
         return f"{(MAX_STEP - step) if self.newest_first else step:0{STEP_WIDTH}d}."

@@ -376,9 +376,10 @@ class CommitRecord(Signable):
                     raise f.bad("ranks", "a map of rank numbers to names of listed components")
                 ranks[int(r)] = tuple(names)
         world = f.int_in("world_size", 1, 1 << 20) if "world_size" in f.rec else None
+        tag, body = _auth_of(raw, where, data)
         return cls(
             _check_run_id(f, run_id), s, a, sid, f.text("writer_id", _WRITER), f.text("identity_digest", _HEX64),
-            comps, f.time("created_at"), metadata, ranks, world, *_auth_of(raw, where, data), digest_bytes(data),
+            comps, f.time("created_at"), metadata, ranks, world, tag, body, body if tag is None else digest_bytes(data),
             version=raw["protocol_version"],
         )
 

@@ -200,3 +200,14 @@ class BackendConformance:
         backend.delete("gk/a/x")
         assert backend.list_keys("gk/") == ["gk/b"]
         assert backend.list_keys("gk/a/") == []
+
+    def test_get_many_is_get_range_of_each_key(self, backend: Backend) -> None:
+        raw = RawAccess(backend)
+        raw.set("gm/a", b"alpha")
+        raw.set("gm/sub/b", b"b" * 5000)
+        raw.set("gm/empty", b"")
+        raw.set("other/c", b"gamma")
+        keys = ["gm/a", "gm/missing", "gm/sub/b", "gm/empty", "other/c", "gm/sub", "nope/x", "gm/a"]
+        assert backend.get_many(keys, 100) == [b"alpha", None, b"b" * 100, b"", b"gamma", None, None, b"alpha"]
+        assert backend.get_many(["gm/sub/b"], 6000) == [b"b" * 5000]
+        assert backend.get_many([], 10) == []

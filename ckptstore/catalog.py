@@ -218,9 +218,10 @@ class Catalog:
             detail = f"made by attempt {attempt}, which was never registered (record not read)"
             return Candidate(step, attempt, None, [(SkipReason.UNREGISTERED_ATTEMPT, detail)], None)
         later = superseded_by(step, attempt, scan.attempts.effective)
-        key = self.commit_key(step, attempt)
+        listed = scan.commits.get((step, attempt))
+        key = listed.key if listed is not None else self.commit_key(step, attempt)
         try:
-            rec = self.load_commit(step, attempt, scan.commits.get((step, attempt)), key, scan.fetched)
+            rec = self.load_commit(step, attempt, listed, key, scan.fetched)
         except UnsupportedVersion as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNSUPPORTED_VERSION, str(exc))], None)
         except NotFoundError:
@@ -278,9 +279,9 @@ class Catalog:
                 i += 1
             want = []
             for sa in batch:
-                info, key = scan.commits[sa], self.commit_key(*sa)
-                if sa[1] in scan.attempts.records and self.records.get(key, (info.size, info.mtime)) is None:
-                    want.append(key)
+                info = scan.commits[sa]
+                if sa[1] in scan.attempts.records and self.records.get(info.key, (info.size, info.mtime)) is None:
+                    want.append(info.key)
             scan.fetched = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD), strict=True))
             yield from batch
         scan.fetched = {}

@@ -49,8 +49,10 @@ from .protocol.selection import (
 from .runio import RunIO
 
 Problems = list[tuple[SkipReason, str]]
-#: Bytes of decoded commit records a store keeps (:class:`RecordCache`).
-RECORD_CACHE_BYTES = 64 << 20
+#: Commit records a store keeps decoded (:class:`RecordCache`), counted by
+#: their stored size (decoded, they take several times that): 16 MiB holds
+#: some 40,000 records of a one-component save.
+RECORD_CACHE_BYTES = 16 << 20
 #: A full walk reads the records it has not cached in batches of at most this
 #: many records and listed bytes (concurrent requests on an object store).
 BATCH_RECORDS = 256

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from .backends.base import ObjectInfo
 from .errors import StoreUnavailableError
 from .protocol import commits_prefix
-from .protocol.selection import candidate_order
 from .runio import RunIO
 
 #: Keys asked for by the first listing request of a paged walk (most
@@ -76,7 +75,12 @@ class CommitKeys:
         """(step, attempt) of every commit, newest first (by step, then attempt)."""
         self.junk = 0
         if not self.io.layout.newest_first:
-            yield from candidate_order(sa for k in self.io.list_keys(self.prefix) if (sa := self._parse(k)))
+            # every name listed first; names are of fixed width, so in descending
+            # byte order (sorted here, not trusted) they come newest first
+            for k in sorted(self.io.list_keys(self.prefix), reverse=True):
+                sa = self._parse(k)
+                if sa is not None:
+                    yield sa
             return
         # The whole page is checked before any of it is tried (a candidate listed
         # out of place must not be taken for the newest): every key shaped like a

@@ -151,6 +151,24 @@ def test_protocol_version_1_is_asked_for_at_creation_and_kept(backend_factory: C
     assert keys(b, "never/") == []
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_both_versions_order_attempts_of_one_step_newest_first(
+    backend_factory: Callable[[], Backend], version: int
+) -> None:
+    first = CheckpointStore.open(backend_factory(), "run", identity=IDENT, protocol_version=version)
+    for s in (1, 2, 3):
+        save(first, s)
+    again = CheckpointStore.open(backend_factory(), "run", identity=IDENT, resume_from=1)  # forks after step 1
+    redo = save(again, 2)
+    reader = CheckpointStore.open(backend_factory(), "run", mode="r")
+    sel = reader.latest_complete(explain=True)
+    assert sel.latest is not None and (sel.latest.step, sel.latest.attempt) == (2, 2) and sel.latest == redo
+    assert [(k.step, k.attempt, k.reason) for k in sel.skipped] == [(3, 1, SkipReason.SUPERSEDED)]
+    assert [(i.step, i.attempt, i.state.value) for i in reader.list_saves()] == [
+        (3, 1, "superseded"), (2, 2, "committed"), (2, 1, "superseded"), (1, 1, "committed")]
+    assert reader.get_save(2).attempt == 2 and reader.get_save(2, 1).attempt == 1
+
+
 def test_one_store_holds_both_kinds_and_names_of_the_other_layout_are_not_ours(
     backend_factory: Callable[[], Backend],
 ) -> None:

@@ -28,6 +28,9 @@ Contract (each backend's conformance tests check it):
   lists folder by folder, as SeaweedFS does, departs from byte order only
   where a name continues with a character below '/' while a sibling descends
   into a folder; ckptstore's own names never do.)
+* ``get_many(keys, max_bytes)`` is ``get_range(key, 0, max_bytes)`` of each
+  key, None where there is no such object, in one call (concurrent requests,
+  one folder resolution): how ``list_saves`` and gc read many records.
 * ``delete`` of a missing key is not an error.
 * Infrastructure failures raise :class:`StoreUnavailableError`, or
   :class:`TransientError` when a retry may help.

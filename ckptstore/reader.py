@@ -54,6 +54,10 @@ class Reader:
     def read(self, ref: SaveRef, name: str) -> bytes:
         return b"".join(self.iter_read(ref, name))
 
+    def read_into(self, ref: SaveRef, name: str, out: memoryview) -> None:
+        key, comp = self._component(ref, name)
+        self.io.read_verified_into(key, comp, f"component {name!r} of save {ref.save_id}", out)
+
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a component, **not** verified: for readers
         that hold a digest of exactly that range (see :meth:`read_verified_range`)."""

@@ -20,7 +20,7 @@ from .errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUna
 from .protocol import ComponentEntry
 from .redact import redact_text
 from .retry import RetryPolicy
-from .streams import CHUNK, HashingStream, is_replayable, rewind
+from .streams import CHUNK, BackgroundHasher, HashingStream, is_replayable, rewind
 
 
 class RunIO:
@@ -166,3 +166,41 @@ class RunIO:
             raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
         if held is not None:
             yield held
+
+    def read_verified_into(self, key: str, comp: ComponentEntry, label: str, out: memoryview,
+                           chunk: int = CHUNK) -> None:
+        """Fill ``out`` (exactly ``comp.size`` bytes) with the component,
+        verified: each chunk is read straight into ``out`` and hashed in a
+        helper thread while the next one is read, then the size (one byte past
+        the end must not exist) and the digest are checked. On
+        :class:`CorruptionError` the content of ``out`` is undefined."""
+        if len(out) != comp.size:
+            raise ValueError(f"buffer of {len(out)} bytes for a component of {comp.size}")
+        hasher = BackgroundHasher()
+        off = seen = 0
+        try:
+            while off < comp.size:
+                view = out[off : min(comp.size, off + chunk)]
+                got = self.retry.call(partial(self.backend.readinto, key, off, view))
+                self.bytes_read += got
+                seen = off + got
+                if got < len(view):
+                    break
+                hasher.feed(view)
+                off += got
+            grew = off == comp.size and self.retry.call(
+                partial(self.backend.readinto, key, comp.size, memoryview(bytearray(1)))
+            ) > 0
+        except NotFoundError:
+            hasher.finish()
+            raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
+        except BaseException:
+            hasher.finish()
+            raise
+        digest = hasher.finish()
+        if off != comp.size or grew:
+            n = f"{comp.size}+" if grew else str(seen)
+            raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
+        if digest != comp.blake3:
+            raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
+

@@ -33,13 +33,13 @@ from .. import (
 from .codec import (
     Flattened,
     flatten,
-    load_safetensors,
     safetensors_stream,
     tree_from_json,
     tree_to_json,
     unflatten,
 )
 from .loaders import is_stateful_dataloader, loader_generators
+from .tensor_read import read_tensors
 
 FORMAT = "ckptstore.torch/1"
 STATE_COMPONENT = "state.json"
@@ -279,9 +279,15 @@ def snapshot(
 
 
 def write_snapshot(
-    store: CheckpointStore, step: int, snap: Snapshot, *, metadata: Mapping[str, Any] | None = None
+    store: CheckpointStore,
+    step: int,
+    snap: Snapshot,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    before_publish: Callable[[], None] | None = None,
 ) -> SaveRef:
-    """Write a snapshot as one save and publish it."""
+    """Write a snapshot as one save and publish it (``before_publish`` runs
+    after every component is written, just before the commit)."""
     components = {name: f"{name}.safetensors" for name in snap.tensors}
     doc = {
         "format": FORMAT,
@@ -302,6 +308,8 @@ def write_snapshot(
             _size, chunks = safetensors_stream(snap.tensors[name])
             s.put(comp, chunks)
         s.put(STATE_COMPONENT, doc_bytes)
+        if before_publish is not None:
+            before_publish()
     assert s.ref is not None
     return s.ref
 
@@ -347,11 +355,8 @@ def read_save(store: CheckpointStore, ref: SaveRef) -> SavedState:
     for name, comp in comps.items():
         if name not in trees or comp != f"{name}.safetensors":
             raise CorruptionError(f"{where}: tensor component {comp!r} of entry {name!r} is not a valid reference")
-    out = {}
-    for name, tree in trees.items():
-        comp = comps.get(name)
-        tensors = load_safetensors(store.read(ref, comp)) if comp else {}
-        out[name] = unflatten(tree, tensors)
+    tensors = read_tensors(store, ref, {name: comps[name] for name in trees if comps.get(name)})
+    out = {name: unflatten(tree, tensors.get(name, {})) for name, tree in trees.items()}
     return SavedState(out, objs)
 
 

@@ -9,7 +9,9 @@ while written, and bounded, verified streaming of components.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -170,37 +172,62 @@ class RunIO:
     def read_verified_into(self, key: str, comp: ComponentEntry, label: str, out: memoryview,
                            chunk: int = CHUNK) -> None:
         """Fill ``out`` (exactly ``comp.size`` bytes) with the component,
-        verified: each chunk is read straight into ``out`` and hashed in a
-        helper thread while the next one is read, then the size (one byte past
-        the end must not exist) and the digest are checked. On
+        verified: each chunk is read straight into ``out`` (up to the
+        backend's ``read_concurrency`` chunks at once) and hashed, in order, in
+        a helper thread while later chunks are read; then the size (one byte
+        past the end must not exist) and the digest are checked. On
         :class:`CorruptionError` the content of ``out`` is undefined."""
         if len(out) != comp.size:
             raise ValueError(f"buffer of {len(out)} bytes for a component of {comp.size}")
+        spans = [(off, min(comp.size, off + chunk)) for off in range(0, comp.size, chunk)]
+        conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, len(spans)))
         hasher = BackgroundHasher()
-        off = seen = 0
+
+        def read(span: tuple[int, int]) -> int:
+            return self.retry.call(partial(self.backend.readinto, key, span[0], out[span[0] : span[1]]))
+
+        def take(span: tuple[int, int], got: int) -> bool:
+            """Account one chunk and hash it (chunks arrive in order); False if it came back short."""
+            self.bytes_read += got
+            if got != span[1] - span[0]:
+                return False
+            hasher.feed(out[span[0] : span[1]])
+            return True
+
+        seen = 0
+        complete = True
+        pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto") if conc > 1 else None
         try:
-            while off < comp.size:
-                view = out[off : min(comp.size, off + chunk)]
-                got = self.retry.call(partial(self.backend.readinto, key, off, view))
-                self.bytes_read += got
-                seen = off + got
-                if got < len(view):
+            pending: deque[tuple[tuple[int, int], Future[int]]] = deque()
+            todo = iter(spans)
+            for span in todo:
+                if pool is None:
+                    got = read(span)
+                else:
+                    pending.append((span, pool.submit(read, span)))
+                    if len(pending) < conc:
+                        continue
+                    span, fut = pending.popleft()
+                    got = fut.result()
+                if not take(span, got):
+                    complete, seen = False, span[0] + got
                     break
-                hasher.feed(view)
-                off += got
-            grew = off == comp.size and self.retry.call(
+            while complete and pending:
+                span, fut = pending.popleft()
+                got = fut.result()
+                if not take(span, got):
+                    complete, seen = False, span[0] + got
+            grew = complete and self.retry.call(
                 partial(self.backend.readinto, key, comp.size, memoryview(bytearray(1)))
             ) > 0
         except NotFoundError:
-            hasher.finish()
             raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
-        except BaseException:
-            hasher.finish()
-            raise
-        digest = hasher.finish()
-        if off != comp.size or grew:
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            digest = hasher.finish()
+        if not complete or grew:
             n = f"{comp.size}+" if grew else str(seen)
             raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
         if digest != comp.blake3:
             raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
-

@@ -69,6 +69,8 @@ class Backend(abc.ABC):
     capabilities: Capabilities = Capabilities()
     #: Human-readable location, used in messages.
     url: str = ""
+    #: ranges of one object worth reading at the same time (object stores: latency hides behind concurrency)
+    read_concurrency: int = 1
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes: ...

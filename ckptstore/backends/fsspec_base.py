@@ -90,6 +90,7 @@ class FsspecBackend(Backend):
     """A bucket prefix on an object store, through an fsspec filesystem."""
 
     capabilities = Capabilities(atomic_create=True, consistent_list=True)
+    read_concurrency = 8
     scheme = ""
     #: environment variables the client reads its endpoint from
     endpoint_env: tuple[str, ...] = ()

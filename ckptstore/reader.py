@@ -47,6 +47,9 @@ class Reader:
             )
         return component_key(self.io.run_id, ref.save_id, name), comp
 
+    def component(self, ref: SaveRef, name: str) -> ComponentEntry:
+        return self._component(ref, name)[1]
+
     def iter_read(self, ref: SaveRef, name: str, chunk: int = CHUNK) -> Iterator[bytes]:
         key, comp = self._component(ref, name)
         return self.io.verified_chunks(key, comp, f"component {name!r} of save {ref.save_id}", chunk)

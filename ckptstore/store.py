@@ -303,6 +303,11 @@ class CheckpointStore:
         never returned."""
         return self._reader.read(ref, name)
 
+    def component(self, ref: SaveRef, name: str) -> ComponentEntry:
+        """The commit's entry for one component (name, size, BLAKE3);
+        :class:`NotFoundError` naming the components the save has if absent."""
+        return self._reader.component(ref, name)
+
     def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
         """Read a component straight into caller-owned memory, verified.
 
@@ -321,8 +326,8 @@ class CheckpointStore:
             ) from None
         if view.readonly:
             raise InvalidInputError("read_into needs a writable buffer, got a read-only one")
-        size = ref.components[name].size if name in ref.components else None
-        if size is not None and len(view) != size:
+        size = self.component(ref, name).size
+        if len(view) != size:
             raise InvalidInputError(f"read_into: buffer of {len(view)} bytes for component {name!r} of {size}")
         self._reader.read_into(ref, name, view)
 

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .. import CheckpointStore, SaveRef
-from ..errors import CorruptionError, NotFoundError
+from ..errors import CorruptionError
 from .safetensors_io import tensors_from_buffer
 
 #: components read at the same time (each also keeps one hashing thread busy)
@@ -25,10 +25,7 @@ MAX_PARALLEL = 4
 
 
 def _read_one(store: CheckpointStore, ref: SaveRef, comp: str) -> dict[str, torch.Tensor]:
-    entry = ref.components.get(comp)
-    if entry is None:
-        raise NotFoundError(f"save {ref.save_id} (step {ref.step}) has no component {comp!r}")
-    buf = torch.empty(entry.size, dtype=torch.uint8)
+    buf = torch.empty(store.component(ref, comp).size, dtype=torch.uint8)
     store.read_into(ref, comp, buf.numpy())
     return tensors_from_buffer(buf)
 
@@ -39,7 +36,7 @@ def read_tensors(store: CheckpointStore, ref: SaveRef, components: Mapping[str, 
     for name, comp in components.items():
         if not isinstance(comp, str):
             raise CorruptionError(f"save {ref.save_id}: entry {name!r} names a component that is not a string")
-    items = sorted(components.items(), key=lambda kv: -ref.components[kv[1]].size if kv[1] in ref.components else 0)
+    items = sorted(components.items(), key=lambda kv: str(kv[1]))
     if len(items) <= 1:
         return {name: _read_one(store, ref, comp) for name, comp in items}
     with ThreadPoolExecutor(min(MAX_PARALLEL, len(items)), thread_name_prefix="ckptstore-read") as pool:

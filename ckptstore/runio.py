@@ -199,8 +199,7 @@ class RunIO:
         pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto") if conc > 1 else None
         try:
             pending: deque[tuple[tuple[int, int], Future[int]]] = deque()
-            todo = iter(spans)
-            for span in todo:
+            for span in spans:
                 if pool is None:
                     got = read(span)
                 else:

@@ -35,6 +35,7 @@ import builtins
 import itertools
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -272,23 +273,29 @@ class ObstoreS3Backend(Backend):
             raise UnsupportedBackendError(f"{self.url}: aborting multipart uploads needs the s3 extra (pip install 'ckptstore[s3]')")
         client.remove_incomplete(handle)
 
-    def check_bucket(self) -> None:
-        """Fail early and clearly when the bucket is missing or unreachable (one GET of an absent key)."""
+    def check_bucket(self, tries: int = 3) -> None:
+        """Fail early and clearly when the bucket is missing or unreachable (a
+        GET of an absent key; a transient failure is tried again, ``tries`` in all)."""
         import obstore
 
         probe = f"{self.prefix}/.ckptstore-probe-{uuid.uuid4().hex[:8]}".lstrip("/")
-        try:
-            obstore.get(self.store, probe)
-        except FileNotFoundError as exc:
-            if _NO_BUCKET in str(exc):
-                self._raise(exc, "bucket check", "")
-        except Exception as exc:  # noqa: BLE001
-            if is_transient(exc):
-                raise StoreUnavailableError(
-                    f"{self.url}: cannot reach the endpoint ({_short(exc)}); check the endpoint URL "
-                    "(AWS_ENDPOINT_URL or storage_options endpoint_url) and the network"
-                ) from exc
-            self._raise(exc, "bucket check", "")
+        for i in range(tries):
+            try:
+                obstore.get(self.store, probe)
+                return
+            except FileNotFoundError as exc:
+                if _NO_BUCKET in str(exc):
+                    self._raise(exc, "bucket check", "")
+                return
+            except Exception as exc:  # noqa: BLE001
+                if not is_transient(exc):
+                    self._raise(exc, "bucket check", "")
+                if i == tries - 1:
+                    raise StoreUnavailableError(
+                        f"{self.url}: cannot reach the endpoint ({_short(exc)}); check the endpoint URL "
+                        "(AWS_ENDPOINT_URL or storage_options endpoint_url) and the network"
+                    ) from exc
+                time.sleep(0.1 * 3**i)
 
     def close(self) -> None:
         if self._s3fs is not None:

@@ -84,6 +84,7 @@ class ObstoreS3Backend(Backend):
     """A bucket prefix on S3 through an ``obstore.store.S3Store``."""
 
     capabilities = Capabilities(atomic_create=True, consistent_list=True)
+    read_concurrency = 8
 
     def __init__(self, store: Any, bucket: str, prefix: str, *, fallback_options: dict[str, Any] | None = None) -> None:
         self.store = store

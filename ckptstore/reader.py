@@ -47,12 +47,19 @@ class Reader:
             )
         return component_key(self.io.run_id, ref.save_id, name), comp
 
+    def component(self, ref: SaveRef, name: str) -> ComponentEntry:
+        return self._component(ref, name)[1]
+
     def iter_read(self, ref: SaveRef, name: str, chunk: int = CHUNK) -> Iterator[bytes]:
         key, comp = self._component(ref, name)
         return self.io.verified_chunks(key, comp, f"component {name!r} of save {ref.save_id}", chunk)
 
     def read(self, ref: SaveRef, name: str) -> bytes:
         return b"".join(self.iter_read(ref, name))
+
+    def read_into(self, ref: SaveRef, name: str, out: memoryview) -> None:
+        key, comp = self._component(ref, name)
+        self.io.read_verified_into(key, comp, f"component {name!r} of save {ref.save_id}", out)
 
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a component, **not** verified: for readers

@@ -1,7 +1,8 @@
 """URL schemes → backends.
 
 Built in: a plain path or ``file://`` (local disk), ``memory://NAME``,
-``s3://`` and ``gs://``/``gcs://``. A third-party package adds a scheme with an
+``s3://``, ``gs://``/``gcs://`` and ``s3+obstore://`` (S3 through obstore,
+extra ``obstore``). A third-party package adds a scheme with an
 entry point in the ``ckptstore.backends`` group whose value is a factory
 ``(url: str, storage_options: dict) -> Backend``::
 
@@ -30,6 +31,7 @@ _BUILTIN: dict[str, str] = {
     "file": "ckptstore.backends.local:backend_from_url",
     "memory": "ckptstore.backends.memory:backend_from_url",
     "s3": "ckptstore.backends.s3:backend_from_url",
+    "s3+obstore": "ckptstore.backends.obstore_s3:backend_from_url",
     "gs": "ckptstore.backends.gcs:backend_from_url",
     "gcs": "ckptstore.backends.gcs:backend_from_url",
 }

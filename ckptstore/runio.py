@@ -10,7 +10,9 @@ while written, and bounded, verified streaming of components.
 from __future__ import annotations
 
 import builtins
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -21,7 +23,7 @@ from .errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUna
 from .protocol import ComponentEntry, Layout
 from .redact import redact_text
 from .retry import RetryPolicy
-from .streams import CHUNK, HashingStream, is_replayable, rewind
+from .streams import CHUNK, BackgroundHasher, HashingStream, is_replayable, rewind
 
 
 class RunIO:
@@ -195,3 +197,65 @@ class RunIO:
             raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
         if held is not None:
             yield held
+
+    def read_verified_into(self, key: str, comp: ComponentEntry, label: str, out: memoryview,
+                           chunk: int = CHUNK) -> None:
+        """Fill ``out`` (exactly ``comp.size`` bytes) with the component,
+        verified: each chunk is read straight into ``out`` (up to the
+        backend's ``read_concurrency`` chunks at once) and hashed, in order, in
+        a helper thread while later chunks are read; then the size (one byte
+        past the end must not exist) and the digest are checked. On
+        :class:`CorruptionError` the content of ``out`` is undefined."""
+        if len(out) != comp.size:
+            raise ValueError(f"buffer of {len(out)} bytes for a component of {comp.size}")
+        spans = [(off, min(comp.size, off + chunk)) for off in range(0, comp.size, chunk)]
+        conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, len(spans)))
+        hasher = BackgroundHasher()
+
+        def read(span: tuple[int, int]) -> int:
+            return self.retry.call(partial(self.backend.readinto, key, span[0], out[span[0] : span[1]]))
+
+        def take(span: tuple[int, int], got: int) -> bool:
+            """Account one chunk and hash it (chunks arrive in order); False if it came back short."""
+            self.bytes_read += got
+            if got != span[1] - span[0]:
+                return False
+            hasher.feed(out[span[0] : span[1]])
+            return True
+
+        seen = 0
+        complete = True
+        pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto") if conc > 1 else None
+        try:
+            pending: deque[tuple[tuple[int, int], Future[int]]] = deque()
+            for span in spans:
+                if pool is None:
+                    got = read(span)
+                else:
+                    pending.append((span, pool.submit(read, span)))
+                    if len(pending) < conc:
+                        continue
+                    span, fut = pending.popleft()
+                    got = fut.result()
+                if not take(span, got):
+                    complete, seen = False, span[0] + got
+                    break
+            while complete and pending:
+                span, fut = pending.popleft()
+                got = fut.result()
+                if not take(span, got):
+                    complete, seen = False, span[0] + got
+            grew = complete and self.retry.call(
+                partial(self.backend.readinto, key, comp.size, memoryview(bytearray(1)))
+            ) > 0
+        except NotFoundError:
+            raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            digest = hasher.finish()
+        if not complete or grew:
+            n = f"{comp.size}+" if grew else str(seen)
+            raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
+        if digest != comp.blake3:
+            raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")

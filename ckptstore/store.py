@@ -309,6 +309,34 @@ class CheckpointStore:
         never returned."""
         return self._reader.read(ref, name)
 
+    def component(self, ref: SaveRef, name: str) -> ComponentEntry:
+        """The commit's entry for one component (name, size, BLAKE3);
+        :class:`NotFoundError` naming the components the save has if absent."""
+        return self._reader.component(ref, name)
+
+    def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
+        """Read a component straight into caller-owned memory, verified.
+
+        ``out`` is any writable, contiguous buffer of exactly the component's
+        recorded size (``ref.components[name].size``): a ``bytearray``, a
+        NumPy array, a tensor's ``.numpy()``. The bytes are read into it in
+        chunks, each hashed in a helper thread while the next is read (one
+        pass, no intermediate copies). On return every byte matches the
+        commit's BLAKE3; on :class:`CorruptionError` the buffer's content is
+        undefined and must not be used."""
+        try:
+            view = memoryview(out).cast("B")
+        except TypeError:
+            raise InvalidInputError(
+                f"read_into needs a writable contiguous buffer, got {type(out).__name__}"
+            ) from None
+        if view.readonly:
+            raise InvalidInputError("read_into needs a writable buffer, got a read-only one")
+        size = self.component(ref, name).size
+        if len(view) != size:
+            raise InvalidInputError(f"read_into: buffer of {len(view)} bytes for component {name!r} of {size}")
+        self._reader.read_into(ref, name, view)
+
     def iter_read(self, ref: SaveRef, name: str, chunk: int = CHUNK) -> Iterator[bytes]:
         """Stream a component in chunks, verifying as it goes.
 

@@ -100,6 +100,35 @@ def rewind(data: Any) -> None:
         data.seek(0, io.SEEK_SET)
 
 
+class BackgroundHasher:
+    """BLAKE3 of a sequence of buffers, each hashed in a helper thread while
+    the caller produces the next (reads it, or hands the previous one to a
+    writer). A buffer passed to :meth:`feed` must stay unchanged until the next
+    ``feed`` or :meth:`finish` returns."""
+
+    def __init__(self, *, threaded: bool = True) -> None:
+        self._h = blake3.blake3()
+        self._pool = _hash_pool() if threaded else None
+        self._pending: Future[Any] | None = None
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def feed(self, view: memoryview) -> None:
+        self._wait()
+        if self._pool is not None and len(view) >= 1 << 20:
+            self._pending = self._pool.submit(self._h.update, view)
+        else:
+            self._h.update(view)
+
+    def finish(self) -> str:
+        """Wait for the last buffer; the hex digest of everything fed."""
+        self._wait()
+        return self._h.hexdigest()
+
+
 class HashingStream:
     """Iterates the chunks of ``data``, hashing each in a helper thread while the
     consumer (the backend) writes it. After exhaustion ``size`` and
@@ -108,34 +137,22 @@ class HashingStream:
     def __init__(self, data: Any, chunk: int = CHUNK, *, threaded: bool = True) -> None:
         self._data = data
         self._chunk = chunk
-        self._threaded = threaded
-        self._hasher = blake3.blake3()
+        self._hasher = BackgroundHasher(threaded=threaded)
+        self._digest: str | None = None
         self.size = 0
-        self._done = False
 
     def __iter__(self) -> Iterator[memoryview]:
-        pending: Future[Any] | None = None
-        pool = _hash_pool() if self._threaded else None
         try:
             for c in iter_chunks(self._data, self._chunk):
-                if pending is not None:
-                    pending.result()
-                if pool is not None and len(c) >= 1 << 20:
-                    pending = pool.submit(self._hasher.update, c)
-                else:
-                    pending = None
-                    self._hasher.update(c)
+                self._hasher.feed(c)
                 self.size += len(c)
                 yield c
-            if pending is not None:
-                pending.result()
-                pending = None
-            self._done = True
         finally:
-            if pending is not None:
-                pending.result()
+            # a consumer that stops early (or fails) must not leave a hash running on its buffer
+            digest = self._hasher.finish()
+        self._digest = digest
 
     def hexdigest(self) -> str:
-        if not self._done:
+        if self._digest is None:
             raise RuntimeError("stream not fully consumed")
-        return self._hasher.hexdigest()
+        return self._digest

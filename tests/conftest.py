@@ -40,6 +40,9 @@ from ckptstore.backends.memory import MemoryBackend, clear_memory_registry
 ALL_KINDS = ["memory", "local", "seaweedfs", "moto", "fakegcs"]
 EXTERNAL_KINDS = ["external-s3", "external-gcs"]
 OBJECT_KINDS = {"seaweedfs", "moto", "fakegcs"}
+#: S3 through the optional obstore transport (``s3+obstore://``) on the same servers: run only
+#: where a module, class or marker names them, or when CKPT_BACKENDS does
+OPT_IN_KINDS = ["seaweedfs-obstore", "moto-obstore"]
 
 
 def selected_kinds() -> list[str]:
@@ -47,9 +50,9 @@ def selected_kinds() -> list[str]:
     if not env:
         return ALL_KINDS
     kinds = [k.strip() for k in env.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ALL_KINDS + EXTERNAL_KINDS]
+    bad = [k for k in kinds if k not in ALL_KINDS + EXTERNAL_KINDS + OPT_IN_KINDS]
     if bad:
-        raise pytest.UsageError(f"CKPT_BACKENDS names unknown backends {bad}; known: {ALL_KINDS}")
+        raise pytest.UsageError(f"CKPT_BACKENDS names unknown backends {bad}; known: {ALL_KINDS + OPT_IN_KINDS}")
     return kinds
 
 
@@ -62,6 +65,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             else getattr(metafunc.cls, "backend_kinds", None) or getattr(metafunc.module, "backend_kinds", None)
         )
         if only is not None:
+            if not os.environ.get("CKPT_BACKENDS"):
+                kinds = kinds + OPT_IN_KINDS
             kinds = [k for k in kinds if k in only]
         metafunc.parametrize("backend_kind", kinds, scope="function")
 
@@ -127,6 +132,8 @@ class ObjectServers:
     def server(self, kind: str):  # type: ignore[no-untyped-def]
         from backends.servers import SERVERS, ServerStartError
 
+        kind = kind.removesuffix("-obstore")  # the same server under the other S3 client
+
         if kind in self.failures:
             pytest.fail(f"{kind} server failed to start earlier:\n{self.failures[kind]}", pytrace=False)
         if kind not in self.servers:
@@ -145,7 +152,7 @@ class ObjectServers:
         if kind == "external-gcs":
             return os.environ["CKPT_EXTERNAL_GCS_URL"].rstrip("/") + "/" + prefix, {}
         srv = self.server(kind)
-        scheme = "gs" if kind == "fakegcs" else "s3"
+        scheme = "gs" if kind == "fakegcs" else "s3+obstore" if kind.endswith("-obstore") else "s3"
         return f"{scheme}://{BUCKET}/{prefix}", srv.storage_options()  # type: ignore[attr-defined]
 
     def backend(self, kind: str, prefix: str) -> Backend:

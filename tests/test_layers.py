@@ -45,7 +45,7 @@ CORE_ORDER = [
     "signrun",
     "store",
 ]
-OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata", "lightning", "transformers")
+OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata", "lightning", "transformers", "obstore")
 
 
 def _layer(module: str) -> str:
@@ -160,6 +160,7 @@ def test_core_import_graph_reaches_no_optional_dependency(tmp_path: Path) -> Non
         import sys
         import ckptstore, ckptstore.cli, ckptstore.store, ckptstore.registry, ckptstore.faults
         import ckptstore.backends.local, ckptstore.backends.memory, ckptstore.backends.s3, ckptstore.backends.gcs
+        import ckptstore.backends.obstore_s3, ckptstore.testing.raw
         bad = sorted(m for m in sys.modules if m.split(".")[0] in {OPTIONAL_ROOTS!r})
         print("LOADED", bad)
         sys.exit(1 if bad else 0)
@@ -239,3 +240,17 @@ def test_writer_open_inside_a_multi_rank_job_is_refused(monkeypatch: pytest.Monk
     assert st.attempt is not None
     member = CheckpointStore.open(mem, "r", identity={"data_digest": "d"}, join_attempt=st.attempt.number)
     assert member.attempt == st.attempt and len(member.attempts()) == 1
+
+
+def test_obstore_url_without_its_extra_says_which_to_install(tmp_path: Path) -> None:
+    code = """
+        from ckptstore import CheckpointStore
+        from ckptstore.errors import ExtraRequiredError
+        try:
+            CheckpointStore.open("s3+obstore://bucket/prefix", "run", mode="r")
+        except ExtraRequiredError as exc:
+            assert exc.extra == "obstore" and "pip install 'ckptstore[obstore]'" in str(exc), exc
+            print("EXTRA-OK")
+    """
+    r = _run_blocked(code, tmp_path)
+    assert r.returncode == 0 and "EXTRA-OK" in r.stdout, r.stdout + r.stderr

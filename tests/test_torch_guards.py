@@ -259,6 +259,12 @@ def _decode_like_read_save(doc: Any, step: int, real: CheckpointStore, ref: Any)
         def read(self, _ref: Any, name: str) -> bytes:
             return json.dumps(doc).encode() if name == STATE_COMPONENT else real.read(ref, name)
 
+        def component(self, _ref: Any, name: str) -> Any:
+            return real.component(ref, name)
+
+        def read_into(self, _ref: Any, name: str, out: Any) -> None:
+            real.read_into(ref, name, out)
+
     class _Ref:
         save_id = ref.save_id
 

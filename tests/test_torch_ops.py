@@ -4,6 +4,7 @@ ResumableSampler with workers, the global-RNG pitfall."""
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -387,3 +388,44 @@ def test_stateful_dataloader_zero_workers_epoch_boundary_after_resume(with_fix: 
     rest = [[x.tolist() for x in dl2] for _ in range(2)]
     resumed = [got + rest[0], rest[1]]
     assert (resumed == ref[:2]) is with_fix
+
+
+# ------------------------------------------------------------------ more than one save in flight
+
+
+def test_two_saves_in_flight_commit_in_order_with_bounded_buffers() -> None:
+    """max_inflight=2: a due save does not wait while one is being written;
+    a third waits for the oldest; the newer save, although its writes finish
+    first, commits after the older one; at most two buffer sets exist."""
+    from ckptstore.faults import FaultyBackend
+
+    slow_first = FaultyBackend(MemoryBackend()).slow(
+        None, 0.6, when=lambda op, key: op == "put" and "/saves/000000000001-" in key and "model" in key
+    )
+    st = CheckpointStore.open(slow_first, "r", identity=IDENT)
+    m, o = tiny()
+    ck = Checkpointer(st, {"model": m, "optimizer": o}, handle_signals=False, max_inflight=2)
+    step(m, o)
+    ck.save(1)
+    step(m, o)
+    t0 = time.perf_counter()
+    ck.save(2)  # a free slot: does not wait for save 1 (slowed by 0.6 s per model put)
+    assert time.perf_counter() - t0 < 0.4
+    assert len(ck._inflight) == 2
+    step(m, o)
+    ck.save(3)  # no free slot: waits for save 1
+    assert len(ck._inflight) <= 2
+    ck.close()
+    creates = [t.key for t in slow_first.trace if t.op == "create" and "/commits/" in t.key]
+    steps = [int(k.rsplit("/", 1)[-1].split(".")[0]) for k in creates]
+    assert steps == sorted(steps) == [1, 2, 3]
+    assert len(ck._idle_buffers) == 2  # two sets were made, both back after close
+    assert committed_steps(CheckpointStore.open(slow_first, "r", mode="r"))[:3] == [3, 2, 1]
+
+
+def test_max_inflight_must_be_positive() -> None:
+    st = CheckpointStore.open(MemoryBackend(), "r", identity=IDENT)
+    m, o = tiny()
+    for bad in (0, -1, 1.5):
+        with pytest.raises(InvalidInputError, match="max_inflight"):
+            Checkpointer(st, {"model": m}, handle_signals=False, max_inflight=bad)  # type: ignore[arg-type]

@@ -85,6 +85,8 @@ class Backend(abc.ABC):
     capabilities: Capabilities = Capabilities()
     #: Human-readable location, used in messages.
     url: str = ""
+    #: ranges of one object worth reading at the same time (object stores: latency hides behind concurrency)
+    read_concurrency: int = 1
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes: ...
@@ -92,6 +94,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object (shorter if the object is shorter)."""
+
+    def readinto(self, key: str, start: int, out: memoryview) -> int:
+        """Fill ``out`` with the object's bytes from ``start``; the count
+        written (short when the object ends first). Backends that can read
+        straight into the caller's memory override this; the default copies
+        from :meth:`get_range`."""
+        data = self.get_range(key, start, start + len(out))
+        n = min(len(data), len(out))
+        out[:n] = memoryview(data)[:n]
+        return n
 
     @abc.abstractmethod
     def put(self, key: str, chunks: Iterable[Buffer]) -> None: ...

@@ -92,6 +92,7 @@ class FsspecBackend(Backend):
     """A bucket prefix on an object store, through an fsspec filesystem."""
 
     capabilities = Capabilities(atomic_create=True, consistent_list=True, list_pages=True)
+    read_concurrency = 8
     scheme = ""
     #: keys per listing request of ``list_keys`` (tests lower it to exercise paging)
     list_page = LIST_PAGE

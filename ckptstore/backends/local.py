@@ -143,6 +143,14 @@ class LocalBackend(Backend):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFoundError(f"{self.url}/{key}: no such object") from None
 
+    def readinto(self, key: str, start: int, out: memoryview) -> int:
+        try:
+            return self.ops.readinto(self._path(key), start, out)
+        except (NotFollowedError, NotAnObjectError) as exc:
+            raise NotFoundError(f"{self.url}/{key}: not an object: {exc.strerror} (never read)") from None
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise NotFoundError(f"{self.url}/{key}: no such object") from None
+
     def put(self, key: str, chunks: Iterable[Buffer]) -> None:
         final = self._path(key)
         try:

@@ -78,6 +78,12 @@ class RankStore:
     def iter_read(self, ref: SaveRef, name: str, chunk: int = 8 << 20) -> Iterator[bytes]:
         return self.run.store.iter_read(ref, self.prefix + name, chunk)
 
+    def component(self, ref: SaveRef, name: str) -> P.ComponentEntry:
+        return self.run.store.component(ref, self.prefix + name)
+
+    def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
+        self.run.store.read_into(ref, self.prefix + name, out)
+
     def record_event(self, kind: str, payload: Mapping[str, Any]) -> str:
         """The ledger is the job's: only the coordinator appends to it."""
         if not self.run.is_coordinator:

@@ -83,6 +83,7 @@ from ..torch.codec import (
     tree_to_json,
     unflatten,
 )
+from ..torch.tensor_read import read_tensors
 from .lightning_files import (
     DEFAULT_MAX_INLINE_BYTES,
     DETACHED_FORMAT,
@@ -352,7 +353,7 @@ class StoreCheckpointIO(CheckpointIO):
                 if key not in doc["trees"]:
                     raise CorruptionError(f"{os.fspath(path)}: key {key!r} is neither inline nor in save {ref.save_id}")
                 comp = doc["tensor_components"].get(key)
-                tensors = load_safetensors(store.read(ref, comp)) if comp else {}
+                tensors = read_tensors(store, ref, {key: comp}).get(key, {}) if comp else {}
                 tree = doc["trees"][key]
             tensors = _map(tensors, map_location)
             out[key] = unflatten(tree, tensors, registry=self.registry)

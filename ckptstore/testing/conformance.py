@@ -83,6 +83,17 @@ class BackendConformance:
         assert backend.get_range("r", 5000, 6000) == data[5000:6000]
         assert backend.get_range("r", len(data) - 3, len(data) + 100) == data[-3:]
 
+    def test_readinto(self, backend: Backend) -> None:
+        data = bytes(range(256)) * 40
+        backend.put("r", [data])
+        out = bytearray(100)
+        assert backend.readinto("r", 5000, memoryview(out)) == 100 and bytes(out) == data[5000:5100]
+        tail = bytearray(10)
+        assert backend.readinto("r", len(data) - 3, memoryview(tail)) == 3 and bytes(tail[:3]) == data[-3:]
+        assert backend.readinto("r", len(data), memoryview(bytearray(1))) == 0
+        with pytest.raises(NotFoundError):
+            backend.readinto("nope", 0, memoryview(bytearray(1)))
+
     def test_missing_raises_not_found(self, backend: Backend) -> None:
         with pytest.raises(NotFoundError):
             backend.get("nope")

@@ -11,6 +11,11 @@ from ..backends.base import Backend
 from ..backends.fsspec_base import FsspecBackend
 from ..backends.local import LocalBackend
 from ..backends.memory import MemoryBackend
+from ..backends.obstore_s3 import ObstoreS3Backend
+
+
+def _obstore_path(b: ObstoreS3Backend, key: str) -> str:
+    return f"{b.prefix}/{key}" if b.prefix else key
 
 
 class RawAccess:
@@ -32,6 +37,10 @@ class RawAccess:
         elif isinstance(b, FsspecBackend):
             b.fs.pipe_file(f"{b.root}/{key}", bytes(data))
             b.fs.invalidate_cache()
+        elif isinstance(b, ObstoreS3Backend):
+            import obstore
+
+            obstore.put(b.store, _obstore_path(b, key), bytes(data), use_multipart=False)
         else:
             raise TypeError(f"no raw access for {type(b).__name__}")
 
@@ -48,6 +57,10 @@ class RawAccess:
             if isinstance(b, FsspecBackend):
                 b.fs.invalidate_cache()
                 return bytes(b.fs.cat_file(f"{b.root}/{key}"))
+            if isinstance(b, ObstoreS3Backend):
+                import obstore
+
+                return bytes(obstore.get(b.store, _obstore_path(b, key)).bytes())
         except (KeyError, FileNotFoundError):
             return None
         raise TypeError(f"no raw access for {type(b).__name__}")
@@ -68,5 +81,9 @@ class RawAccess:
             except FileNotFoundError:
                 pass
             b.fs.invalidate_cache()
+        elif isinstance(b, ObstoreS3Backend):
+            import obstore
+
+            obstore.delete(b.store, _obstore_path(b, key))
         else:
             raise TypeError(f"no raw access for {type(b).__name__}")

@@ -181,6 +181,11 @@ class SimFS(PosixOps):
         data = bytes(self._ino(path).data)
         return data[start:] if end is None else data[start:end]
 
+    def readinto(self, path: str, start: int, out: memoryview) -> int:
+        data = self.read(path, start, start + len(out))
+        out[: len(data)] = data
+        return len(data)
+
     def stat(self, path: str) -> tuple[int, float]:
         return len(self._ino(path).data), self.clock
 

@@ -14,10 +14,14 @@ named ``step`` holds the state after step ``step``, and resuming continues at
 
 Asynchronous saving (default): ``step_end`` blocks only while the state is
 copied into reused host buffers (pinned, on a side stream, when CUDA is
-present); a background thread writes, verifies and commits. At most one save
-is in flight: a save that falls due while another is still being written
-waits for it. A background failure is raised at the next ``step_end`` /
-``save`` / ``close``.
+present); a background thread writes, verifies and commits. At most
+``max_inflight`` saves (default 1) are in flight, each with its own set of
+host buffers (so host memory is bounded by ``max_inflight`` copies of the
+state): a save that falls due while that many are still being written waits
+for the oldest. Saves in flight write concurrently but commit in the order
+they were taken (a save publishes only after the one before it finished), so
+the newest commit is always the newest state. A background failure is raised
+at the next ``step_end`` / ``save`` / ``close``.
 
 A preemption signal (SIGTERM, SIGUSR1) is an extra chance, never the only one:
 periodic saves carry the recovery promise. On a signal the next ``step_end``
@@ -46,6 +50,7 @@ import signal
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
@@ -124,6 +129,7 @@ class Checkpointer:
         preempt_exit_code: int = EX_TEMPFAIL,
         on_config_change: ConfigChoice = "keep-saved",
         streams: CopyStreams | None = None,
+        max_inflight: int = 1,
     ) -> None:
         if store.mode != "w":
             raise InvalidInputError("Checkpointer needs a store opened for writing (with an identity)")
@@ -134,6 +140,8 @@ class Checkpointer:
         retention.validate(keep_last, keep_every)
         if on_config_change not in ("keep-saved", "take-new", "refuse"):
             raise InvalidInputError("on_config_change must be 'keep-saved', 'take-new' or 'refuse'")
+        if type(max_inflight) is not int or max_inflight < 1:
+            raise InvalidInputError("max_inflight must be a positive integer")
         if not 0 <= preempt_exit_code <= 255:
             raise InvalidInputError("preempt_exit_code must be an exit status (0..255)")
         self.store = store
@@ -157,9 +165,16 @@ class Checkpointer:
         self.record_events = record_events
         #: the module whose ``.grad`` tensors are saved with ``include_grads``
         self.model = model or next((o for o in self.objects.values() if hasattr(o, "named_parameters")), None)
+        self.max_inflight = max_inflight
         self._buffers = HostBuffers()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-save") if async_save else None
-        self._inflight: Future[SaveRef] | None = None
+        #: host-buffer sets not used by a save in flight (at most max_inflight sets ever exist)
+        self._idle_buffers: list[HostBuffers] = [self._buffers]
+        self._pool = (
+            ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="ckptstore-save") if async_save else None
+        )
+        #: saves in flight, oldest first, with the buffers each holds
+        self._inflight: deque[tuple[Future[SaveRef], HostBuffers]] = deque()
+        self._retain_lock = threading.Lock()
         self._error: BaseException | None = None
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
@@ -307,23 +322,29 @@ class Checkpointer:
 
     # ------------------------------------------------------------ saving
     def _raise_background(self) -> None:
-        if self._inflight is not None and self._inflight.done():
-            self._collect()
+        while self._inflight and self._inflight[0][0].done():
+            self._collect_oldest()
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
-    def _collect(self) -> None:
-        fut, self._inflight = self._inflight, None
-        if fut is None:
-            return
+    def _collect_oldest(self) -> None:
+        """Wait for the oldest save in flight; keep its error (the first one wins)."""
+        fut, bufs = self._inflight.popleft()
         try:
             fut.result()
         except BaseException as exc:  # noqa: BLE001
-            self._error = exc
+            if self._error is None:
+                self._error = exc
+        finally:
+            self._idle_buffers.append(bufs)
+
+    def _collect(self) -> None:
+        while self._inflight:
+            self._collect_oldest()
 
     def wait(self) -> None:
-        """Block until the in-flight save (if any) is committed; raise its error."""
+        """Block until every save in flight is committed; raise the first error."""
         self._collect()
         self._raise_background()
 
@@ -346,10 +367,10 @@ class Checkpointer:
                 "gradients would be lost. Save at the optimizer-step boundary, or pass include_grads=True."
             )
         blocking = (not self.async_save) if blocking is None else blocking
-        # at most one save in flight
-        if self._inflight is not None:
-            self._collect()
-            self._raise_background()
+        # a synchronous save waits for every save in flight; an asynchronous one for a free slot
+        while self._inflight and (blocking or len(self._inflight) >= self.max_inflight):
+            self._collect_oldest()
+        self._raise_background()
         t0 = time.perf_counter()
         self._last_scheduled_step = step
         objects = dict(self.objects)
@@ -359,21 +380,35 @@ class Checkpointer:
             if self.model is None:
                 raise InvalidInputError("include_grads needs a model among the objects")
             state["grads"] = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
-        snap = snapshot(state, self._buffers if not blocking else None, streams=self.streams)
+        bufs = None if blocking else (self._idle_buffers.pop() if self._idle_buffers else HostBuffers())
+        try:
+            snap = snapshot(state, bufs, streams=self.streams)
+        except BaseException:
+            if bufs is not None:
+                self._idle_buffers.append(bufs)
+            raise
         snap.objects = meta
         md = dict(self.metadata(step)) if self.metadata else {}
         md.update({"accumulating": accumulating})
         if blocking:
-            ref = self._write(step, snap, md, t0)
+            ref = self._write(step, snap, md, t0, None)
             self.last_blocking_seconds = time.perf_counter() - t0
             return ref
         self.last_blocking_seconds = time.perf_counter() - t0
-        assert self._pool is not None
-        self._inflight = self._pool.submit(self._write, step, snap, md, t0)
+        assert self._pool is not None and bufs is not None
+        before = self._inflight[-1][0] if self._inflight else None
+        self._inflight.append((self._pool.submit(self._write, step, snap, md, t0, before), bufs))
         return None
 
-    def _write(self, step: int, snap: Any, md: dict[str, Any], t0: float) -> SaveRef:
-        ref = write_snapshot(self.store, step, snap, metadata=md)
+    def _write(self, step: int, snap: Any, md: dict[str, Any], t0: float, before: Future[SaveRef] | None) -> SaveRef:
+        def in_order() -> None:
+            if before is not None:  # commit after the save taken before this one (its error is its own)
+                try:
+                    before.result()
+                except BaseException:  # noqa: BLE001, S110 - collected and raised by the training thread
+                    pass
+
+        ref = write_snapshot(self.store, step, snap, metadata=md, before_publish=in_order)
         took = time.perf_counter() - t0
         self._last_save_time = time.monotonic()
         self._last_saved_step = step
@@ -382,7 +417,8 @@ class Checkpointer:
         if self.record_events:
             self.store.record_event("save", info)
         if self.keep_last is not None:
-            self._retain()
+            with self._retain_lock:
+                self._retain()
         return ref
 
     def _retain(self) -> None:

@@ -112,6 +112,11 @@ def flatten(state: Any, *, prefix: str = "", registry: TypeRegistry | None = Non
         return k
 
     def walk(x: Any, path: tuple[Any, ...]) -> Any:
+        tx = type(x)
+        if tx is int or tx is str or tx is bool or x is None:  # exact types: no enum or subclass gets here
+            return x
+        if (tx is list or tx is tuple) and all(type(v) is int for v in x):  # e.g. an RNG state
+            return list(x) if tx is list else {"__tuple": list(x)}
         extra = _encode_extra(x, path, walk, types)
         if extra is not NOT_EXTRA:
             return extra

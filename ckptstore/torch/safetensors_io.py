@@ -85,10 +85,96 @@ def safetensors_stream(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return total, gen()
 
 
-def load_safetensors(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
+#: tensors at least this large are handed out as views of the read buffer; smaller ones are copied
+MIN_VIEW_BYTES = 1 << 20
+#: the largest safetensors header read (the format's own readers use the same bound)
+MAX_HEADER = 100 * 1024 * 1024
 
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _entries(header: Any, data_len: int) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """Strictly checked tensor entries: known dtype, integer shape, offsets
+    that match the shape and tile the data section exactly."""
+    if not isinstance(header, dict):
+        raise ValueError("the header is not an object")
+    out = []
+    for name, e in header.items():
+        if name == "__metadata__":
+            if not isinstance(e, dict) or not all(isinstance(v, str) for v in e.values()):
+                raise ValueError("__metadata__ is not a string table")
+            continue
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"tensor {name!r}: entry is not {{dtype, shape, data_offsets}}")
+        dtype = ST_TO_DTYPE.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+        shape, offs = e["shape"], e["data_offsets"]
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: unknown dtype {e['dtype']!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**53 for d in shape):
+            raise ValueError(f"tensor {name!r}: bad shape")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs):
+            raise ValueError(f"tensor {name!r}: bad data_offsets")
+        numel = 1
+        for d in shape:
+            numel *= d
+        begin, end = offs
+        if not 0 <= begin <= end <= data_len or end - begin != numel * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"tensor {name!r}: data_offsets [{begin}, {end}) do not match its shape and the data")
+        out.append((name, dtype, shape, begin, end))
+    out.sort(key=lambda x: (x[3], x[4]))
+    at = 0
+    for name, _d, _s, begin, end in out:
+        if begin != at:
+            raise ValueError(f"tensor {name!r}: data overlaps another tensor or leaves a gap")
+        at = end
+    if at != data_len:
+        raise ValueError(f"{data_len - at} bytes of data belong to no tensor")
+    return out
+
+
+def tensors_from_buffer(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``buf`` (1-D uint8, CPU): a
+    tensor of at least :data:`MIN_VIEW_BYTES` is a view of ``buf``'s memory
+    (no copy); a smaller one, or one whose offset is not aligned to its
+    element size, gets its own memory (some torch APIs, e.g.
+    ``Generator.set_state``, read a tensor's storage from its start and would
+    misread a view). The header is parsed strictly
+    (bounded size, no duplicate keys, known dtypes, offsets that tile the
+    data); anything else is :class:`CorruptionError`."""
     try:
-        return load(data)
-    except Exception as exc:  # noqa: BLE001 - report as corruption, never a deep traceback
+        n = buf.numel()
+        if n < 8:
+            raise ValueError(f"{n} bytes is shorter than the header length field")
+        hlen = struct.unpack("<Q", buf[:8].numpy().tobytes())[0]
+        if hlen > min(MAX_HEADER, n - 8):
+            raise ValueError(f"header length {hlen} exceeds the file ({n} bytes) or the bound")
+        header = json.loads(buf[8 : 8 + hlen].numpy().tobytes().decode("utf-8"), object_pairs_hook=_no_duplicates)
+        start = 8 + hlen
+        entries = _entries(header, n - start)
+        out: dict[str, torch.Tensor] = {}
+        for name, dtype, shape, begin, end in entries:
+            raw = buf[start + begin : start + end]
+            size = torch.empty((), dtype=dtype).element_size()
+            if (start + begin) % size or end - begin < MIN_VIEW_BYTES:
+                raw = raw.clone()
+            t = raw.view(dtype).view(shape)
+            if dtype == torch.bool and bool((raw > 1).any()):
+                raise ValueError(f"tensor {name!r}: a bool holds a value other than 0 or 1")
+            out[name] = t
+        return out
+    except (ValueError, UnicodeDecodeError, RecursionError, RuntimeError, struct.error) as exc:
         raise CorruptionError(f"safetensors component cannot be parsed: {exc}") from None
+
+
+def load_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file given as bytes (copied once into tensor memory)."""
+    if not data:
+        raise CorruptionError("safetensors component cannot be parsed: it is empty")
+    return tensors_from_buffer(torch.frombuffer(bytearray(data), dtype=torch.uint8))

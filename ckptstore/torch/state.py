@@ -16,6 +16,7 @@ import contextlib
 import platform
 import random
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,13 +34,13 @@ from .. import (
 from .codec import (
     Flattened,
     flatten,
-    load_safetensors,
     safetensors_stream,
     tree_from_json,
     tree_to_json,
     unflatten,
 )
 from .loaders import is_stateful_dataloader, loader_generators
+from .tensor_read import read_tensors
 
 FORMAT = "ckptstore.torch/1"
 STATE_COMPONENT = "state.json"
@@ -279,9 +280,15 @@ def snapshot(
 
 
 def write_snapshot(
-    store: CheckpointStore, step: int, snap: Snapshot, *, metadata: Mapping[str, Any] | None = None
+    store: CheckpointStore,
+    step: int,
+    snap: Snapshot,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    before_publish: Callable[[], None] | None = None,
 ) -> SaveRef:
-    """Write a snapshot as one save and publish it."""
+    """Write a snapshot as one save and publish it (``before_publish`` runs
+    after every component is written, just before the commit)."""
     components = {name: f"{name}.safetensors" for name in snap.tensors}
     doc = {
         "format": FORMAT,
@@ -298,12 +305,30 @@ def write_snapshot(
     snap.wait_ready()  # device copies landed before any byte is written
     expect = [STATE_COMPONENT, *components.values()]
     with store.save(step, metadata={**dict(metadata or {}), "format": FORMAT}, expect=expect) as s:
-        for name, comp in sorted(components.items()):
-            _size, chunks = safetensors_stream(snap.tensors[name])
-            s.put(comp, chunks)
+        _put_all(s, [(comp, safetensors_stream(snap.tensors[name])[1]) for name, comp in sorted(components.items())])
         s.put(STATE_COMPONENT, doc_bytes)
+        if before_publish is not None:
+            before_publish()
     assert s.ref is not None
     return s.ref
+
+
+#: tensor components written at the same time by one save
+MAX_PARALLEL_PUTS = 4
+
+
+def _put_all(s: Any, items: Sequence[tuple[str, Any]]) -> None:
+    """Write the components concurrently (their hashing and their fsyncs
+    overlap); every put is finished, or failed, before this returns, and the
+    first failure is raised (the save then aborts and removes them all)."""
+    if len(items) <= 1:
+        for name, chunks in items:
+            s.put(name, chunks)
+        return
+    with ThreadPoolExecutor(min(MAX_PARALLEL_PUTS, len(items)), thread_name_prefix="ckptstore-put") as pool:
+        futures = [pool.submit(s.put, name, chunks) for name, chunks in items]
+    for f in futures:
+        f.result()
 
 
 def save_state(
@@ -347,11 +372,8 @@ def read_save(store: CheckpointStore, ref: SaveRef) -> SavedState:
     for name, comp in comps.items():
         if name not in trees or comp != f"{name}.safetensors":
             raise CorruptionError(f"{where}: tensor component {comp!r} of entry {name!r} is not a valid reference")
-    out = {}
-    for name, tree in trees.items():
-        comp = comps.get(name)
-        tensors = load_safetensors(store.read(ref, comp)) if comp else {}
-        out[name] = unflatten(tree, tensors)
+    tensors = read_tensors(store, ref, {name: comps[name] for name in trees if comps.get(name)})
+    out = {name: unflatten(tree, tensors.get(name, {})) for name, tree in trees.items()}
     return SavedState(out, objs)
 
 

@@ -417,7 +417,7 @@ def test_two_saves_in_flight_commit_in_order_with_bounded_buffers() -> None:
     assert len(ck._inflight) <= 2
     ck.close()
     creates = [t.key for t in slow_first.trace if t.op == "create" and "/commits/" in t.key]
-    steps = [int(k.rsplit("/", 1)[-1].split(".")[0]) for k in creates]
+    steps = [sa[0] for k in creates if (sa := P.LATEST_LAYOUT.parse_commit_name(k.rsplit("/", 1)[-1]))]
     assert steps == sorted(steps) == [1, 2, 3]
     assert len(ck._idle_buffers) == 2  # two sets were made, both back after close
     assert committed_steps(CheckpointStore.open(slow_first, "r", mode="r"))[:3] == [3, 2, 1]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from .backends.base import Backend
 from .errors import InvalidInputError, UnsupportedBackendError
-from .protocol import canonical_json
+from .protocol import canonical_json, validate_step
 
 
 def distributed_world_size() -> int:
@@ -41,6 +41,19 @@ def check_can_write(backend: Backend, requested: dict[str, Any] | None, join_att
             "ckptstore.distributed.open_distributed(...) on every rank, or pass single_writer=True on the "
             "one rank that saves (the DDP 'rank 0 saves' pattern)"
         )
+
+
+def check_open_args(mode: str, resume_from: object, resume_verify: str) -> Literal["r", "w"]:
+    """The open's arguments, checked; the mode."""
+    if resume_verify not in ("deep", "cheap"):
+        raise InvalidInputError("resume_verify must be 'deep' or 'cheap'")
+    if mode not in ("r", "w"):
+        raise InvalidInputError(f"mode must be 'r' or 'w', got {mode!r}")
+    if resume_from not in ("latest", None) and (type(resume_from) is not int):
+        raise InvalidInputError(f"resume_from must be 'latest', None or a step, got {resume_from!r}")
+    if isinstance(resume_from, int):
+        validate_step(resume_from)
+    return "w" if mode == "w" else "r"
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

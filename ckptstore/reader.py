@@ -57,9 +57,18 @@ class Reader:
     def read(self, ref: SaveRef, name: str) -> bytes:
         return b"".join(self.iter_read(ref, name))
 
-    def read_into(self, ref: SaveRef, name: str, out: memoryview) -> None:
+    def read_into(self, ref: SaveRef, name: str, out: object) -> None:
+        """``out``: a writable, contiguous buffer of exactly the component's size."""
         key, comp = self._component(ref, name)
-        self.io.read_verified_into(key, comp, f"component {name!r} of save {ref.save_id}", out)
+        try:
+            view = memoryview(out).cast("B")  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidInputError(f"read_into needs a writable contiguous buffer, got {type(out).__name__}") from None
+        if view.readonly:
+            raise InvalidInputError("read_into needs a writable buffer, got a read-only one")
+        if len(view) != comp.size:
+            raise InvalidInputError(f"read_into: buffer of {len(view)} bytes for component {name!r} of {comp.size}")
+        self.io.read_verified_into(key, comp, f"component {name!r} of save {ref.save_id}", view)
 
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a component, **not** verified: for readers

@@ -26,7 +26,7 @@ from .catalog import Catalog
 from .errors import InvalidInputError
 from .fencing import AttemptLog
 from .gcrun import GcReport, collect
-from .guards import check_can_write, check_metadata
+from .guards import check_can_write, check_metadata, check_open_args
 from .identity import RunIdentity, identity_digest, normalize_identity
 from .ledger import Ledger
 from .protocol import (
@@ -91,17 +91,10 @@ class CheckpointStore:
     ) -> None:
         self.backend = backend
         self._auth = RecordAuth(auth_policy, keyring)
-        if resume_verify not in ("deep", "cheap"):
-            raise InvalidInputError("resume_verify must be 'deep' or 'cheap'")
         self._resume_deep = resume_verify == "deep"
         self.run_id = validate_run_id(run_id)
-        self.mode: Literal["r", "w"] = mode or ("w" if identity is not None else "r")
-        if self.mode not in ("r", "w"):
-            raise InvalidInputError(f"mode must be 'r' or 'w', got {mode!r}")
-        if resume_from not in ("latest", None) and not isinstance(resume_from, int):
-            raise InvalidInputError(f"resume_from must be 'latest', None or a step, got {resume_from!r}")
-        if isinstance(resume_from, int):
-            validate_step(resume_from)
+        self.mode: Literal["r", "w"] = check_open_args(mode or ("w" if identity is not None else "r"),
+                                                       resume_from, resume_verify)
         self._io = RunIO(backend, self.run_id, retry)
         self._attempts = AttemptLog(self._io, self._auth)
         self._ledger = Ledger(self._io, self._auth)
@@ -324,18 +317,7 @@ class CheckpointStore:
         pass, no intermediate copies). On return every byte matches the
         commit's BLAKE3; on :class:`CorruptionError` the buffer's content is
         undefined and must not be used."""
-        try:
-            view = memoryview(out).cast("B")
-        except TypeError:
-            raise InvalidInputError(
-                f"read_into needs a writable contiguous buffer, got {type(out).__name__}"
-            ) from None
-        if view.readonly:
-            raise InvalidInputError("read_into needs a writable buffer, got a read-only one")
-        size = self.component(ref, name).size
-        if len(view) != size:
-            raise InvalidInputError(f"read_into: buffer of {len(view)} bytes for component {name!r} of {size}")
-        self._reader.read_into(ref, name, view)
+        self._reader.read_into(ref, name, out)
 
     def iter_read(self, ref: SaveRef, name: str, chunk: int = CHUNK) -> Iterator[bytes]:
         """Stream a component in chunks, verifying as it goes.
@@ -409,18 +391,11 @@ class CheckpointStore:
         old, was = self._writer().attempt.number, self.resumed_from
         self.attempt, _ = self._attempts.register(self.writer_id, to.step if to is not None else None, lambda v: None)
         self.resumed_from = to
-        self.record_event(
-            "resume-fallback",
-            {
-                "from_attempt": old,
-                "from_step": was.step if was is not None else None,
-                "from_save_id": was.save_id if was is not None else None,
-                "to_step": to.step if to is not None else None,
-                "to_save_id": to.save_id if to is not None else None,
-                "attempt": self.attempt.number,
-                "reasons": [r[:1000] for r in reasons[:20]],
-            },
-        )
+        self.record_event("resume-fallback", {
+            "from_attempt": old, "from_step": was.step if was else None, "from_save_id": was.save_id if was else None,
+            "to_step": to.step if to else None, "to_save_id": to.save_id if to else None,
+            "attempt": self.attempt.number, "reasons": [r[:1000] for r in reasons[:20]],
+        })
 
     def leftovers(self, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> tuple[list[str], list[str]]:
         """What killed writers left behind (temporary files, unfinished
@@ -434,13 +409,8 @@ class CheckpointStore:
         """The lineage record for starting a *new* run from this save's weights
         (``CheckpointStore.open(url, new_run_id, identity=..., lineage=store.lineage_of(ref))``).
         The new run is never a continuation of this one."""
-        return {
-            "source_url": self.backend.url,
-            "source_run": self.run_id,
-            "save_id": ref.save_id,
-            "step": ref.step,
-            "manifest_digest": ref.manifest_digest,
-        }
+        return {"source_url": self.backend.url, "source_run": self.run_id, "save_id": ref.save_id, "step": ref.step,
+                "manifest_digest": ref.manifest_digest}
 
     def sign(self) -> SignReport:
         """Sign this run's existing records with the configured key (sidecar

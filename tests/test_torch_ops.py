@@ -411,15 +411,15 @@ def test_two_saves_in_flight_commit_in_order_with_bounded_buffers() -> None:
     t0 = time.perf_counter()
     ck.save(2)  # a free slot: does not wait for save 1 (slowed by 0.6 s per model put)
     assert time.perf_counter() - t0 < 0.4
-    assert len(ck._inflight) == 2
+    assert ck._queue is not None and len(ck._queue) == 2
     step(m, o)
     ck.save(3)  # no free slot: waits for save 1
-    assert len(ck._inflight) <= 2
+    assert len(ck._queue) <= 2
     ck.close()
     creates = [t.key for t in slow_first.trace if t.op == "create" and "/commits/" in t.key]
     steps = [sa[0] for k in creates if (sa := P.LATEST_LAYOUT.parse_commit_name(k.rsplit("/", 1)[-1]))]
     assert steps == sorted(steps) == [1, 2, 3]
-    assert len(ck._idle_buffers) == 2  # two sets were made, both back after close
+    assert len(ck._queue.idle) == 2  # two sets were made, both back after close
     assert committed_steps(CheckpointStore.open(slow_first, "r", mode="r"))[:3] == [3, 2, 1]
 
 

@@ -50,22 +50,19 @@ import signal
 import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
 
 from .. import (
     CheckpointStore,
-    CorruptionError,
     InvalidInputError,
     SaveRef,
-    SaveState,
 )
 from . import retention
 from .codec import flatten
+from .inflight import SaveQueue
 from .loaders import (
     ResumableLoader,
     fix_stateful_dataloader_resume,
@@ -79,6 +76,7 @@ from .restore import (
     apply_state,
     check_fit,
     config_diffs,
+    read_with_fallback,
     take_configured,
 )
 from .sampler import ResumableSampler, RngPitfallWarning
@@ -92,7 +90,6 @@ from .state import (
     collect,
     describe,
     has_state,
-    read_save,
     snapshot,
     summarize,
     write_snapshot,
@@ -167,15 +164,8 @@ class Checkpointer:
         self.model = model or next((o for o in self.objects.values() if hasattr(o, "named_parameters")), None)
         self.max_inflight = max_inflight
         self._buffers = HostBuffers()
-        #: host-buffer sets not used by a save in flight (at most max_inflight sets ever exist)
-        self._idle_buffers: list[HostBuffers] = [self._buffers]
-        self._pool = (
-            ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="ckptstore-save") if async_save else None
-        )
-        #: saves in flight, oldest first, with the buffers each holds
-        self._inflight: deque[tuple[Future[SaveRef], HostBuffers]] = deque()
+        self._queue: SaveQueue | None = SaveQueue(max_inflight, self._buffers) if async_save else None
         self._retain_lock = threading.Lock()
-        self._error: BaseException | None = None
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
         self._last_scheduled_step: int | None = None
@@ -243,7 +233,7 @@ class Checkpointer:
             problem = live_iterator_problem(name, obj)
             if problem:
                 raise InvalidInputError(problem)
-        saved, ref = self._read_with_fallback(ref)
+        saved, ref = read_with_fallback(self.store, ref)
         check_fit(self.objects, saved, ref)
         diffs = config_diffs(self.objects, saved.trees)
         if diffs and choice == "refuse":
@@ -290,62 +280,19 @@ class Checkpointer:
             elif is_stateful_dataloader(obj):
                 fix_stateful_dataloader_resume(obj, dict(gens.get(name, {})), global_rng)
 
-    def _read_with_fallback(self, ref: SaveRef) -> tuple[SavedState, SaveRef]:
-        """Read the resume point; if its bytes turn out corrupt (possible with
-        ``resume_verify="cheap"``, which checks sizes only), fall back to the
-        newest older complete save that reads back intact, register an attempt
-        that resumes from it (so the corrupt save leaves the run's history) and
-        record why. Nothing has been applied when this returns."""
-        try:
-            return read_save(self.store, ref), ref
-        except CorruptionError as exc:
-            failures = [f"step {ref.step} ({ref.save_id}): {exc}"]
-        candidates = [
-            i.ref for i in self.store.list_saves()
-            if i.state is SaveState.COMMITTED and i.ref is not None and (i.step, i.attempt) < (ref.step, ref.attempt)
-        ]
-        for cand in candidates:
-            try:
-                saved = read_save(self.store, cand)
-            except CorruptionError as exc:
-                failures.append(f"step {cand.step} ({cand.save_id}): {exc}")
-                continue
-            self.store.fall_back(cand, failures)  # a new attempt: the corrupt save leaves the run's history
-            warnings.warn(summarize(
-                f"resume point step {ref.step} is corrupt; resuming from step {cand.step} instead "
-                f"(attempt {self.store.attempt.number if self.store.attempt else '?'} registered)",
-                failures), RuntimeWarning, stacklevel=3)
-            return saved, cand
-        raise CorruptionError(summarize(
-            f"run {self.store.run_id!r}: no complete save could be read back intact", failures
-        ))
-
     # ------------------------------------------------------------ saving
     def _raise_background(self) -> None:
-        while self._inflight and self._inflight[0][0].done():
-            self._collect_oldest()
-        if self._error is not None:
-            err, self._error = self._error, None
+        if self._queue is None:
+            return
+        self._queue.collect_done()
+        err = self._queue.take_error()
+        if err is not None:
             raise err
-
-    def _collect_oldest(self) -> None:
-        """Wait for the oldest save in flight; keep its error (the first one wins)."""
-        fut, bufs = self._inflight.popleft()
-        try:
-            fut.result()
-        except BaseException as exc:  # noqa: BLE001
-            if self._error is None:
-                self._error = exc
-        finally:
-            self._idle_buffers.append(bufs)
-
-    def _collect(self) -> None:
-        while self._inflight:
-            self._collect_oldest()
 
     def wait(self) -> None:
         """Block until every save in flight is committed; raise the first error."""
-        self._collect()
+        if self._queue is not None:
+            self._queue.make_room(everything=True)
         self._raise_background()
 
     def due(self, step: int) -> bool:
@@ -368,8 +315,8 @@ class Checkpointer:
             )
         blocking = (not self.async_save) if blocking is None else blocking
         # a synchronous save waits for every save in flight; an asynchronous one for a free slot
-        while self._inflight and (blocking or len(self._inflight) >= self.max_inflight):
-            self._collect_oldest()
+        if self._queue is not None:
+            self._queue.make_room(everything=blocking)
         self._raise_background()
         t0 = time.perf_counter()
         self._last_scheduled_step = step
@@ -380,34 +327,31 @@ class Checkpointer:
             if self.model is None:
                 raise InvalidInputError("include_grads needs a model among the objects")
             state["grads"] = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
-        bufs = None if blocking else (self._idle_buffers.pop() if self._idle_buffers else HostBuffers())
+        queue = None if blocking else self._queue
+        if not blocking and queue is None:
+            raise InvalidInputError("this Checkpointer was built with async_save=False; save(blocking=False) needs it")
+        bufs = queue.buffers() if queue is not None else None
         try:
             snap = snapshot(state, bufs, streams=self.streams)
         except BaseException:
-            if bufs is not None:
-                self._idle_buffers.append(bufs)
+            if queue is not None and bufs is not None:
+                queue.idle.append(bufs)
             raise
         snap.objects = meta
         md = dict(self.metadata(step)) if self.metadata else {}
         md.update({"accumulating": accumulating})
-        if blocking:
-            ref = self._write(step, snap, md, t0, None)
+        if queue is None:
+            ref = self._write(step, snap, md, t0)
             self.last_blocking_seconds = time.perf_counter() - t0
             return ref
         self.last_blocking_seconds = time.perf_counter() - t0
-        assert self._pool is not None and bufs is not None
-        before = self._inflight[-1][0] if self._inflight else None
-        self._inflight.append((self._pool.submit(self._write, step, snap, md, t0, before), bufs))
+        assert bufs is not None
+        queue.submit(lambda in_order: self._write(step, snap, md, t0, in_order), bufs)
         return None
 
-    def _write(self, step: int, snap: Any, md: dict[str, Any], t0: float, before: Future[SaveRef] | None) -> SaveRef:
-        def in_order() -> None:
-            if before is not None:  # commit after the save taken before this one (its error is its own)
-                try:
-                    before.result()
-                except BaseException:  # noqa: BLE001, S110 - collected and raised by the training thread
-                    pass
-
+    def _write(
+        self, step: int, snap: Any, md: dict[str, Any], t0: float, in_order: Callable[[], None] | None = None
+    ) -> SaveRef:
         ref = write_snapshot(self.store, step, snap, metadata=md, before_publish=in_order)
         took = time.perf_counter() - t0
         self._last_save_time = time.monotonic()
@@ -466,9 +410,8 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            if self._queue is not None:
+                self._queue.shutdown()
             for s, h in self._old_handlers.items():
                 try:
                     signal.signal(s, h)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,9 @@ import torch
 
 from .. import (
     CheckpointStore,
+    CorruptionError,
     SaveRef,
+    SaveState,
 )
 from .loaders import is_stateful_dataloader
 from .state import (
@@ -374,3 +377,33 @@ def restore_state(
     apply_state(objects, saved.trees, restore_rng_state=restore_rng_state)
     return saved.trees
 
+
+def read_with_fallback(store: CheckpointStore, ref: SaveRef) -> tuple[SavedState, SaveRef]:
+    """Read the resume point; if its bytes turn out corrupt (possible with
+    ``resume_verify="cheap"``, which checks sizes only), fall back to the
+    newest older complete save that reads back intact, register an attempt
+    that resumes from it (so the corrupt save leaves the run's history) and
+    record why. Nothing has been applied when this returns."""
+    try:
+        return read_save(store, ref), ref
+    except CorruptionError as exc:
+        failures = [f"step {ref.step} ({ref.save_id}): {exc}"]
+    candidates = [
+        i.ref for i in store.list_saves()
+        if i.state is SaveState.COMMITTED and i.ref is not None and (i.step, i.attempt) < (ref.step, ref.attempt)
+    ]
+    for cand in candidates:
+        try:
+            saved = read_save(store, cand)
+        except CorruptionError as exc:
+            failures.append(f"step {cand.step} ({cand.save_id}): {exc}")
+            continue
+        store.fall_back(cand, failures)  # a new attempt: the corrupt save leaves the run's history
+        warnings.warn(summarize(
+            f"resume point step {ref.step} is corrupt; resuming from step {cand.step} instead "
+            f"(attempt {store.attempt.number if store.attempt else '?'} registered)",
+            failures), RuntimeWarning, stacklevel=4)
+        return saved, cand
+    raise CorruptionError(summarize(
+        f"run {store.run_id!r}: no complete save could be read back intact", failures
+    ))

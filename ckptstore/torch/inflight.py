@@ -1,0 +1,81 @@
+"""Asynchronous saves in flight: how many, which host buffers each holds, and
+the order they commit in (used by :class:`~ckptstore.torch.Checkpointer`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..protocol.selection import SaveRef
+from .state import HostBuffers
+
+#: what a queued save runs: it gets ``in_order``, to call just before it publishes
+SaveJob = Callable[[Callable[[], None]], SaveRef]
+
+
+class SaveQueue:
+    """At most ``limit`` saves in flight, each with its own set of host buffers
+    (so host memory is bounded by ``limit`` copies of the state); they write
+    concurrently but commit in the order they were queued, and the first
+    background error is kept for the training thread to raise."""
+
+    def __init__(self, limit: int, first: HostBuffers) -> None:
+        self.limit = limit
+        #: buffer sets not held by a save in flight (at most ``limit`` sets ever exist)
+        self.idle: list[HostBuffers] = [first]
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(limit, thread_name_prefix="ckptstore-save")
+        self._items: deque[tuple[Future[SaveRef], HostBuffers]] = deque()
+        self.error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def buffers(self) -> HostBuffers:
+        """A free buffer set (call :meth:`make_room` first)."""
+        return self.idle.pop() if self.idle else HostBuffers()
+
+    def submit(self, job: SaveJob, bufs: HostBuffers) -> None:
+        """Queue a save that holds ``bufs`` until it finishes."""
+        if self._pool is None:
+            raise RuntimeError("the save queue is shut down")
+        before = self._items[-1][0] if self._items else None
+
+        def in_order() -> None:
+            if before is not None:  # commit after the save queued before this one (its error is its own)
+                try:
+                    before.result()
+                except BaseException:  # noqa: BLE001, S110 - collected and raised by the training thread
+                    pass
+
+        self._items.append((self._pool.submit(job, in_order), bufs))
+
+    def collect_oldest(self) -> None:
+        """Wait for the oldest save in flight; keep its error (the first one wins)."""
+        fut, bufs = self._items.popleft()
+        try:
+            fut.result()
+        except BaseException as exc:  # noqa: BLE001
+            if self.error is None:
+                self.error = exc
+        finally:
+            self.idle.append(bufs)
+
+    def collect_done(self) -> None:
+        while self._items and self._items[0][0].done():
+            self.collect_oldest()
+
+    def make_room(self, *, everything: bool) -> None:
+        """Wait until a slot is free (``everything``: until nothing is in flight)."""
+        while self._items and (everything or len(self._items) >= self.limit):
+            self.collect_oldest()
+
+    def take_error(self) -> BaseException | None:
+        err, self.error = self.error, None
+        return err
+
+    def shutdown(self) -> None:
+        self.make_room(everything=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -47,8 +47,10 @@ def save(run: Any, step: int, fault: dict[str, Any] | None) -> dict[str, Any]:
     point = fault["point"] if mine and fault else None
     if point in ("before_gather", "before_publish", "after_publish"):
         coordinator.HOOKS[point] = die
+    # the fault may bound this one save's wait for the ranks' inventories
+    timeout = float(fault["save_timeout"]) if fault is not None and "save_timeout" in fault else None
     try:
-        with run.save(step, metadata={"step": step}) as s:
+        with run.save(step, metadata={"step": step}, timeout=timeout) as s:
             if point == "before_write":
                 die()
             if point == "raise":
@@ -140,15 +142,21 @@ def main() -> None:
     elif scenario == "checkpointer":
         emit(event="ckpt", **checkpointer(run, args))
     if run.resumed_from is not None:
-        data = run.store.read(run.resumed_from, f"rank{rank}/model")
-        emit(event="read", ok=data == blob(run.resumed_from.step, rank))
-    # keep the rendezvous store (rank 0) alive until everyone is done
+        try:
+            data = run.store.read(run.resumed_from, f"rank{rank}/model")
+            emit(event="read", ok=data == blob(run.resumed_from.step, rank))
+        except Exception as exc:  # noqa: BLE001 - e.g. a rank added by resharding has no component of its own
+            emit(event="read", **err_json(exc))
+    # keep the rendezvous store (rank 0) alive until every rank that is still
+    # running is done; a rank this job SIGKILLs never answers, so it is not
+    # waited for (waiting would only burn the timeout)
     ch = run.channel
     tag = ch.next()
     ch.post(tag, "done", {})
     if rank == 0:
+        killed = {int(f["rank"]) for f in args.get("faults", {}).values() if f.get("point") != "raise"}
         with contextlib.suppress(Exception):
-            ch.gather(tag, "done", timeout=60)
+            ch.gather(tag, "done", ranks=[r for r in range(world) if r not in killed], timeout=60)
     dist.destroy_process_group()
 
 

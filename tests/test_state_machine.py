@@ -49,6 +49,8 @@ class Commit:
     data: dict[str, bytes]
     corrupted: bool = False
     removed: bool = False
+    #: components whose size no longer matches the record (deleted or truncated)
+    bad_size: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -186,16 +188,19 @@ class StoreMachine(RuleBasedStateMachine):
         blob = c.data[name]
         if how == "delete":
             self.inner.delete(key)
+            c.bad_size.add(name)
         elif how == "truncate":
             if not blob:
                 return
             self.inner.put(key, [blob[:-1]])
+            c.bad_size.add(name)
         else:
             if not blob:
                 return
             b = bytearray(blob)
             b[len(b) // 2] ^= 0x10
-            self.inner.put(key, [bytes(b)])
+            self.inner.put(key, [bytes(b)])  # the original with one flipped bit, at its recorded size
+            c.bad_size.discard(name)
         c.corrupted = True
 
     @rule()
@@ -254,6 +259,13 @@ class StoreMachine(RuleBasedStateMachine):
         for c in self.model.commits.values():
             if self.model.superseded(c):
                 c.removed = True
+        # gc hashes newest first only until `keep` saves verified; older ones get the size check
+        # (PROTOCOL §4.5), so a flipped byte behind the kept saves looks complete and is deleted
+        if len(selectable) >= keep:
+            edge = (selectable[keep - 1].step, selectable[keep - 1].attempt)
+            for c in self.model.commits.values():
+                if c.corrupted and not c.bad_size and (c.step, c.attempt) < edge:
+                    c.removed = True
         after = self.model.expected_latest()
         assert (before.save_id if before else None) == (after.save_id if after else None)
 

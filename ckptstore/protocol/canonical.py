@@ -54,7 +54,8 @@ def _finite_float(text: str) -> float:
     return v
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A ``json`` ``object_pairs_hook`` that refuses an object naming a key twice."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
@@ -95,7 +96,7 @@ def decode_json(data: bytes, *, where: str, max_bytes: int, canonical: bool = Fa
             parse_constant=_no_constant,
             parse_int=_bounded_int,
             parse_float=_finite_float,
-            object_pairs_hook=_no_duplicates,
+            object_pairs_hook=no_duplicate_keys,
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptionError(f"{where}: not valid JSON ({str(exc)[:200]})") from None

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptionError
+from ..protocol.canonical import no_duplicate_keys
 
 DTYPE_TO_ST = {
     torch.float64: "F64",
@@ -91,15 +92,6 @@ MIN_VIEW_BYTES = 1 << 20
 MAX_HEADER = 100 * 1024 * 1024
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def _entries(header: Any, data_len: int) -> list[tuple[str, torch.dtype, list[int], int, int]]:
     """Strictly checked tensor entries: known dtype, integer shape, offsets
     that match the shape and tile the data section exactly."""
@@ -155,7 +147,7 @@ def tensors_from_buffer(buf: torch.Tensor) -> dict[str, torch.Tensor]:
         hlen = struct.unpack("<Q", buf[:8].numpy().tobytes())[0]
         if hlen > min(MAX_HEADER, n - 8):
             raise ValueError(f"header length {hlen} exceeds the file ({n} bytes) or the bound")
-        header = json.loads(buf[8 : 8 + hlen].numpy().tobytes().decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(buf[8 : 8 + hlen].numpy().tobytes().decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         start = 8 + hlen
         entries = _entries(header, n - start)
         out: dict[str, torch.Tensor] = {}

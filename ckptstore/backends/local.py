@@ -36,7 +36,8 @@ import builtins
 import errno
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -135,21 +136,23 @@ class LocalBackend(Backend):
     def get(self, key: str) -> bytes:
         return self.get_range(key, 0, None)
 
-    def get_range(self, key: str, start: int, end: int | None) -> bytes:
+    @contextmanager
+    def _reading(self, key: str) -> Iterator[None]:
+        """What a read meets below the root, as the interface's NotFoundError."""
         try:
-            return self.ops.read(self._path(key), start, end)
+            yield
         except (NotFollowedError, NotAnObjectError) as exc:
             raise NotFoundError(f"{self.url}/{key}: not an object: {exc.strerror} (never read)") from None
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFoundError(f"{self.url}/{key}: no such object") from None
 
+    def get_range(self, key: str, start: int, end: int | None) -> bytes:
+        with self._reading(key):
+            return self.ops.read(self._path(key), start, end)
+
     def readinto(self, key: str, start: int, out: memoryview) -> int:
-        try:
+        with self._reading(key):
             return self.ops.readinto(self._path(key), start, out)
-        except (NotFollowedError, NotAnObjectError) as exc:
-            raise NotFoundError(f"{self.url}/{key}: not an object: {exc.strerror} (never read)") from None
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise NotFoundError(f"{self.url}/{key}: no such object") from None
 
     def put(self, key: str, chunks: Iterable[Buffer]) -> None:
         final = self._path(key)

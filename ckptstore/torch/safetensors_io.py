@@ -117,7 +117,7 @@ def _entries(header: Any, data_len: int) -> list[tuple[str, torch.dtype, list[in
         for d in shape:
             numel *= d
         begin, end = offs
-        if not 0 <= begin <= end <= data_len or end - begin != numel * torch.empty((), dtype=dtype).element_size():
+        if not 0 <= begin <= end <= data_len or end - begin != numel * dtype.itemsize:
             raise ValueError(f"tensor {name!r}: data_offsets [{begin}, {end}) do not match its shape and the data")
         out.append((name, dtype, shape, begin, end))
     out.sort(key=lambda x: (x[3], x[4]))
@@ -153,8 +153,7 @@ def tensors_from_buffer(buf: torch.Tensor) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, dtype, shape, begin, end in entries:
             raw = buf[start + begin : start + end]
-            size = torch.empty((), dtype=dtype).element_size()
-            if (start + begin) % size or end - begin < MIN_VIEW_BYTES:
+            if (start + begin) % dtype.itemsize or end - begin < MIN_VIEW_BYTES:
                 raw = raw.clone()
             t = raw.view(dtype).view(shape)
             if dtype == torch.bool and bool((raw > 1).any()):

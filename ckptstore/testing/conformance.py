@@ -131,7 +131,15 @@ class BackendConformance:
         assert backend.create("c/rec.json", b"second") is False
         assert backend.get("c/rec.json") == b"first"
 
-    def test_create_racing_threads_one_winner(self, backend: Backend) -> None:
+    def create_is_exclusive_under_races(self, request: pytest.FixtureRequest) -> bool:
+        """Whether the server behind ``backend`` gives an atomic create-if-absent under
+        concurrent requests. Override to answer False for a test double that does not
+        (moto checks ``If-None-Match`` and stores without a lock): the race test then
+        asserts what still holds — at least one winner, and the stored bytes are a
+        winner's — instead of "exactly one"."""
+        return True
+
+    def test_create_racing_threads_one_winner(self, backend: Backend, request: pytest.FixtureRequest) -> None:
         n = 8
         results: list[tuple[int, bool]] = []
         barrier = threading.Barrier(n)
@@ -149,8 +157,10 @@ class BackendConformance:
         for t in threads:
             t.join()
         winners = [i for i, ok in results if ok]
-        assert len(winners) == 1, results
-        assert backend.get("race/commit.json") == f"writer-{winners[0]}".encode()
+        assert winners, results
+        if self.create_is_exclusive_under_races(request):
+            assert len(winners) == 1, results
+        assert backend.get("race/commit.json") in {f"writer-{i}".encode() for i in winners}, results
 
     def test_failing_stream_leaves_no_object(self, backend: Backend) -> None:
         def gen() -> Iterator[bytes]:

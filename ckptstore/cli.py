@@ -177,6 +177,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply, deep=not args.shallow)
     obj = {
         "dry_run": rep.dry_run,
+        "refused": rep.refused,
         "kept": rep.kept,
         "deleted_saves": [{"save_id": s, "reason": r} for s, r in rep.deleted_saves],
         "deleted_objects": [a.key for a in rep.actions],
@@ -188,8 +189,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     lines += [f"  {esc(s)}: {esc(r)}" for s, r in rep.deleted_saves]
     if rep.dry_run and rep.actions:
         lines.append("dry run: pass --apply to delete")
+    if rep.refused is not None:
+        # a refusal is a failed gc, never a silent success: the reason on stdout (and --json), exit 1
+        lines = [f"gc refused: deleted nothing: {esc(rep.refused)}"]
     _emit(args, obj, "\n".join(lines))
-    return 0
+    return 1 if rep.refused is not None else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

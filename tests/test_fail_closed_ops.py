@@ -22,18 +22,21 @@ import pytest
 
 from ckptstore import CheckpointStore, InvalidInputError
 from ckptstore import protocol as P
-from ckptstore.authn import ENV_KEYS, keyring_from_env, keyring_from_file
+from ckptstore.authn import ENV_KEYS, keyring_from_env, keyring_from_file, sidecar_key
 from ckptstore.backends.base import Backend
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.cli import main as cli_main
 from ckptstore.protocol.auth import Keyring
 from ckptstore.registry import backend_from_url
+from ckptstore.signrun import attempt_refusal
 from ckptstore.testing.raw import RawAccess
 
 IDENT = {"data_digest": "d-1", "code_digest": "c-1"}
 KEY_HEX = "5a" * 32
 K1 = Keyring({"k1": bytes.fromhex(KEY_HEX)})
 OPS_BACKENDS = pytest.mark.backends("memory", "local", "moto", "fakegcs")
+#: signing runs under auth_policy="warn": the unsigned records it reads are expected
+pytestmark = pytest.mark.filterwarnings("ignore::ckptstore.authn.UnauthenticatedWarning")
 
 
 @dataclass
@@ -207,3 +210,95 @@ def test_key_material_never_appears_in_an_error(tmp_path: Path, capsys: pytest.C
         assert KEY_HEX not in str(ei.value), str(ei.value)
         rc, out, err = cli(capsys, "latest", str(store), "run", "--auth-policy", "require")
         assert rc == 2 and ENV_KEYS in err and KEY_HEX not in out + err, err
+
+
+# -- §4.7: signing vouches only for a consistent history ----------------------------------------------------------
+
+
+def _require(place: Place) -> CheckpointStore:
+    return CheckpointStore.open(place.backend(), "run", mode="r", auth_policy="require", keyring=K1)
+
+
+@OPS_BACKENDS
+def test_sign_refuses_a_planted_fresh_start_and_the_last_good_save_stays_selectable(
+    place: Place, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    st = CheckpointStore.open(place.backend(), "run", identity=IDENT)  # written before any key existed
+    recs = {step: _save(st, step) for step in (1, 2, 3)}
+    st.record_event("progress", {"step": 3})
+    raw = RawAccess(place.backend())
+    # a planted "restarted from scratch" (would supersede every save), a torn attempt record,
+    # an event of the planted attempt, and a junk sidecar where commit 2's tag would go
+    raw.set(P.attempt_key("run", 2), P.AttemptRecord("run", 2, None, "evil", 2.0).encode())
+    raw.set(P.attempt_key("run", 9), b'{"torn')
+    raw.set("run/events/00000000000000000009-finished-00000009.json",
+            P.EventRecord("finished", 3.0, 2, {"steps": 4}).encode())
+    commit2 = P.LATEST_LAYOUT.commit_key("run", 2, 1)
+    raw.set(sidecar_key(commit2), b"junk sidecar")
+    kf = _key_file(tmp_path / "keys.json", GOOD_DOC)
+
+    rep = CheckpointStore.open(place.backend(), "run", mode="r", auth_policy="warn", keyring=K1).sign()
+    assert "supersede" in rep.refused[P.attempt_key("run", 2)] and "step(s) 3, 2, 1" in rep.refused[P.attempt_key("run", 2)]
+    assert P.attempt_key("run", 9) in rep.refused  # reported, skipped
+    assert "remove that object" in rep.refused[commit2] and sidecar_key(commit2) in rep.refused[commit2]
+    assert any("names attempt 2" in why for why in rep.refused.values())  # the planted attempt's event
+    assert {P.attempt_key("run", 1), P.LATEST_LAYOUT.commit_key("run", 3, 1),
+            P.LATEST_LAYOUT.commit_key("run", 1, 1)} <= set(rep.signed)
+    # the CLI reports the same refusals (and signs nothing twice)
+    rc, out, err = cli(capsys, "sign", place.url, "run", *place.cli_opts, "--auth-key-file", str(kf))
+    assert rc == 0 and "signed 0 record(s)" in out and "attempts/00000002.json" in out and "supersede" in out, (out, err)
+
+    # the last good save is still the one selected under require, and restores bit for bit
+    sel = _require(place).latest_complete(deep=True, explain=True)
+    assert sel.latest is not None and (sel.latest.step, sel.latest.attempt) == (3, 1)
+    assert _require(place).read(sel.latest, "model") == b"weights@3"
+    assert sel.latest.save_id == recs[3].save_id
+    rc, out, _ = cli(capsys, "latest", place.url, "run", *place.cli_opts, "--auth-policy", "require",
+                     "--auth-key-file", str(kf), "--deep")
+    assert rc == 0 and "latest complete: step 3" in out, out
+    # a writer under require resumes from it, never from scratch
+    w = CheckpointStore.open(place.backend(), "run", identity=IDENT, auth_policy="require", keyring=K1)
+    assert w.resumed_from is not None and w.resumed_from.step == 3
+    # the way out the refusal names: remove the junk sidecar, sign again
+    raw.delete(sidecar_key(commit2))
+    rep = CheckpointStore.open(place.backend(), "run", mode="r", auth_policy="warn", keyring=K1).sign()
+    assert commit2 in rep.signed
+
+
+@OPS_BACKENDS
+def test_sign_still_signs_a_genuine_history_with_a_rollback(place: Place) -> None:
+    st = CheckpointStore.open(place.backend(), "run", identity=IDENT)
+    for step in (1, 2, 3):
+        _save(st, step)
+    st2 = CheckpointStore.open(place.backend(), "run", identity=IDENT, resume_from=1)  # an operator's rollback
+    _save(st2, 2)
+    rep = CheckpointStore.open(place.backend(), "run", mode="r", auth_policy="warn", keyring=K1).sign()
+    assert rep.refused == {}, rep.refused
+    sel = _require(place).latest_complete(deep=True, explain=True)
+    assert sel.latest is not None and (sel.latest.step, sel.latest.attempt) == (2, 2)
+    assert _require(place).read(sel.latest, "model") == b"weights@2"
+    # and a fresh run with no save yet: its first attempt started from scratch, consistently
+    fresh = CheckpointStore.open(place.backend(), "fresh", identity=IDENT)
+    rep = CheckpointStore.open(place.backend(), "fresh", mode="r", auth_policy="warn", keyring=K1).sign()
+    assert fresh.attempt is not None and rep.refused == {} and P.attempt_key("fresh", 1) in rep.signed
+
+
+def test_attempt_refusal_rules() -> None:
+    def att(n: int, r: int | None, abandons: tuple[int, ...] = ()) -> P.AttemptRecord:
+        return P.AttemptRecord("run", n, r, "w", 1.0, abandons)
+
+    verified = [(1, 1), (2, 1), (3, 1)]
+    a1 = att(1, None)
+    assert attempt_refusal(a1, verified, {}) is None  # the first attempt: nothing earlier
+    assert attempt_refusal(att(2, 3), verified, {1: a1}) is None  # resumed from a verified save
+    assert attempt_refusal(att(2, 1), verified, {1: a1}) is None  # a rollback to a verified save
+    why = attempt_refusal(att(2, None), verified, {1: a1})
+    assert why is not None and "from scratch" in why and "3, 2, 1" in why
+    why = attempt_refusal(att(2, 7), [(1, 1), (8, 1)], {1: a1})  # names a step that is no save
+    assert why is not None and "step 7" in why and "step(s) 8" in why
+    # harmless: the resume point is gone (gc), but nothing it would supersede still stands
+    assert attempt_refusal(att(2, 5), [(1, 1), (2, 1), (3, 1)], {1: a1}) is None
+    assert attempt_refusal(att(2, 5), [(1, 1), (6, 1)], {1: a1, 3: att(3, 1)}) is None  # 6 superseded by 3
+    # un-abandoning an accepted attempt is never harmless
+    why = attempt_refusal(att(4, 9, abandons=(3,)), [(1, 1), (6, 1)], {1: a1, 3: att(3, 1)})
+    assert why is not None and "abandons" in why

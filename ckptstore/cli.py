@@ -23,6 +23,7 @@ from typing import Any
 from .cliout import OneLineParser, emit, esc, parse_options, run_guarded
 from .errors import ExtraRequiredError
 from .redact import redact_text
+from .runs.budget import MIN_STEP_SECONDS
 from .store import CheckpointStore, SaveRef
 from .terminal import sanitize
 
@@ -264,7 +265,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .runs.report import build_record, render_table, render_timeline_svg
 
     store = _open(args)
-    rec = build_record(store, Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours))
+    rec = build_record(store, Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours,
+                                     min_step_seconds=args.min_step_seconds))
     if args.svg:
         with open(args.svg, "w") as f:
             f.write(render_timeline_svg(rec))
@@ -362,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budget-gpu-hours", type=float, default=23.0)
     sp.add_argument("--gpu-hours-per-step", type=float, default=0.1)
     sp.add_argument("--restart-gpu-hours", type=float, default=0.25)
+    sp.add_argument("--min-step-seconds", type=float, default=MIN_STEP_SECONDS,
+                    help="the shortest time a step can take: progress claimed faster than this is not believed")
     sp.add_argument("--svg", default=None, help="also write the timeline picture here")
     sp.set_defaults(fn=cmd_report)
     return p

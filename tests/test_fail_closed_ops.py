@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from ckptstore.backends.memory import MemoryBackend
 from ckptstore.cli import main as cli_main
 from ckptstore.protocol.auth import Keyring
 from ckptstore.registry import backend_from_url
+from ckptstore.runs.budget import Budget
+from ckptstore.runs.events import CLOCK_SKEW_S, validate_events
+from ckptstore.runs.report import build_record
 from ckptstore.signrun import attempt_refusal
 from ckptstore.testing.raw import RawAccess
 
@@ -82,6 +86,17 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     rc = cli_main(list(args))
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+def _plant_event(raw: RawAccess, ev: P.EventRecord) -> None:
+    """A ledger entry as a writer without the key plants it: well named, canonically encoded."""
+    raw.set(P.events_prefix("run") + P.event_name(int(ev.at * 1e6), ev.event), ev.encode())
+
+
+def _manifest(st: CheckpointStore) -> str:
+    ref = st.latest_complete()
+    assert ref is not None
+    return ref.manifest_digest
 
 
 def _save(st: CheckpointStore, step: int) -> P.CommitRecord:
@@ -231,8 +246,7 @@ def test_sign_refuses_a_planted_fresh_start_and_the_last_good_save_stays_selecta
     # an event of the planted attempt, and a junk sidecar where commit 2's tag would go
     raw.set(P.attempt_key("run", 2), P.AttemptRecord("run", 2, None, "evil", 2.0).encode())
     raw.set(P.attempt_key("run", 9), b'{"torn')
-    raw.set("run/events/00000000000000000009-finished-00000009.json",
-            P.EventRecord("finished", 3.0, 2, {"steps": 4}).encode())
+    _plant_event(raw, P.EventRecord("finished", time.time(), 2, {"steps": 4}))
     commit2 = P.LATEST_LAYOUT.commit_key("run", 2, 1)
     raw.set(sidecar_key(commit2), b"junk sidecar")
     kf = _key_file(tmp_path / "keys.json", GOOD_DOC)
@@ -302,3 +316,132 @@ def test_attempt_refusal_rules() -> None:
     # un-abandoning an accepted attempt is never harmless
     why = attempt_refusal(att(4, 9, abandons=(3,)), [(1, 1), (6, 1)], {1: a1, 3: att(3, 1)})
     assert why is not None and "abandons" in why
+
+
+# -- §4.9: events that decide promotion and the budget --------------------------------------------------------------
+
+
+def _finished_run(st: CheckpointStore, steps: int) -> P.CommitRecord:
+    for step in range(steps):
+        st.record_event("progress", {"step": step})
+    rec = _save(st, steps - 1)
+    st.record_event("finished", {"steps": steps, "final_manifest_digest": _manifest(st)})
+    return rec
+
+
+@OPS_BACKENDS
+def test_finished_without_planned_steps_is_unconfirmed_never_eligible(
+    place: Place, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a run that stopped at step 2: a "finished" event planted for it names the right attempt and manifest,
+    # which is all a forger needs; without a planned length no record can contradict it
+    st = CheckpointStore.open(place.backend(), "run", identity=IDENT)
+    for step in range(3):
+        st.record_event("progress", {"step": step})
+    _save(st, 2)
+    assert st.attempt is not None
+    _plant_event(RawAccess(place.backend()), P.EventRecord(
+        "finished", time.time(), st.attempt.number, {"steps": 3, "final_manifest_digest": _manifest(st)}))
+    report = build_record(CheckpointStore.open(place.backend(), "run", mode="r"))
+    assert report["promotion"]["eligible"] is False and report["promotion"]["status"] == "unconfirmed"
+    assert report["promotion"]["artifact_manifest_digest"] is None
+    assert any("planned_steps" in r for r in report["promotion"]["reasons"])
+    rc, out, err = cli(capsys, "report", place.url, "run", *place.cli_opts)
+    assert rc == 0 and "PROMOTION ELIGIBLE" in out and "NO (unconfirmed)" in out, (out, err)
+    rc, out, _ = cli(capsys, "report", place.url, "run", *place.cli_opts, "--json")
+    assert rc == 0 and json.loads(out)["promotion"]["status"] == "unconfirmed"
+
+
+@OPS_BACKENDS
+def test_a_finish_is_confirmed_by_a_plan_or_by_signed_events(place: Place) -> None:
+    # the planned length confirms it (the records must agree with the plan)
+    st = CheckpointStore.open(place.backend(), "planned", identity={**IDENT, "planned_steps": 3})
+    _finished_run(st, 3)
+    report = build_record(CheckpointStore.open(place.backend(), "planned", mode="r"))
+    assert report["promotion"]["eligible"] and report["promotion"]["status"] == "eligible", report["promotion"]
+    # under require only key holders' events count: a signed finish confirms it without a plan,
+    signed = CheckpointStore.open(place.backend(), "signed", identity=IDENT, auth_policy="require", keyring=K1)
+    _finished_run(signed, 3)
+    reader = CheckpointStore.open(place.backend(), "signed", mode="r", auth_policy="require", keyring=K1)
+    assert build_record(reader)["promotion"]["status"] == "eligible"
+    # while a planted one is dropped before it is even considered
+    unsigned = CheckpointStore.open(place.backend(), "forged", identity=IDENT, auth_policy="require", keyring=K1)
+    for step in range(3):
+        unsigned.record_event("progress", {"step": step})
+    _save(unsigned, 2)
+    assert unsigned.attempt is not None
+    RawAccess(place.backend()).set(
+        P.events_prefix("forged") + P.event_name(int(time.time() * 1e6), "finished"),
+        P.EventRecord("finished", time.time(), unsigned.attempt.number,
+                      {"steps": 3, "final_manifest_digest": _manifest(unsigned)}).encode())
+    reader = CheckpointStore.open(place.backend(), "forged", mode="r", auth_policy="require", keyring=K1)
+    report = build_record(reader)
+    assert not report["promotion"]["eligible"] and report["promotion"]["status"] == "not-eligible"
+
+
+@OPS_BACKENDS
+def test_progress_claims_are_bounded_by_wall_clock_time(place: Place, capsys: pytest.CaptureFixture[str]) -> None:
+    st = CheckpointStore.open(place.backend(), "run", identity=IDENT)  # no planned length
+    for step in range(4):
+        st.record_event("progress", {"step": step})
+    _save(st, 3)
+    assert st.attempt is not None
+    n, registered = st.attempt.number, st.attempt.created_at
+    budget = Budget(limit_gpu_hours=23.0, gpu_hours_per_step=0.1, min_step_seconds=1.0)
+    clean = build_record(CheckpointStore.open(place.backend(), "run", mode="r"), budget)
+    assert clean["executed_steps"] == 4
+    raw, now = RawAccess(place.backend()), time.time()
+    forged = [
+        P.EventRecord("progress", now, n, {"step": 10**9}),  # a billion steps since the attempt registered
+        P.EventRecord("progress", now, n, {"step": 5000}),  # fewer, still faster than one step per second
+        P.EventRecord("progress", now + 7200, n, {"step": 9}),  # from the future
+        P.EventRecord("progress", registered - 7200, n, {"step": 2}),  # before its attempt registered
+        P.EventRecord("budget-exhausted", now, n, {"spent_gpu_hours": 500.0, "limit_gpu_hours": 23.0}),
+    ]
+    for ev in forged:
+        _plant_event(raw, ev)
+    report = build_record(CheckpointStore.open(place.backend(), "run", mode="r"), budget)
+    assert report["executed_steps"] == 4 and report["spent_gpu_hours"] == clean["spent_gpu_hours"]
+    assert not report["budget_stopped"]
+    reasons = [r["reason"] for r in report["rejected_events"]]
+    assert sum("since attempt" in r for r in reasons) == 2, reasons
+    assert any("in the future" in r for r in reasons) and any("before attempt" in r for r in reasons)
+    assert any("accounting shows" in r for r in reasons)
+    # the default pace (a physical floor of 1 ms a step) still refuses the billion (not the 5,000: THREATS §4.9)
+    report = build_record(CheckpointStore.open(place.backend(), "run", mode="r"), Budget())
+    assert report["executed_steps"] == 5001
+    assert any("progress step 1000000000" in r["reason"] for r in report["rejected_events"])
+    # the CLI applies the same bound
+    rc, out, err = cli(capsys, "report", place.url, "run", *place.cli_opts, "--json", "--min-step-seconds", "1")
+    assert rc == 0, err
+    assert json.loads(out)["spent_gpu_hours"] == clean["spent_gpu_hours"]
+    # and so does the trainer's budget check (what it passes to plan_resume)
+    reader = CheckpointStore.open(place.backend(), "run", mode="r")
+    ledger = validate_events(reader.events(), reader.attempts(), identity=IDENT, min_step_seconds=1.0)
+    assert max(e["payload"]["step"] for e in ledger.accepted if e["event"] == "progress") == 3
+
+
+def test_the_wall_clock_rule() -> None:
+    att = [{"attempt": 1, "resumed_from": None, "created_at": 1000.0},
+           {"attempt": 2, "resumed_from": 99, "created_at": 5000.0}]
+
+    def verdict(at: float, attempt: int | None, step: int | None, kind: str = "progress") -> str | None:
+        payload = {} if step is None else {"step": step}
+        led = validate_events([{"event": kind, "at": at, "attempt": attempt, "payload": payload}], att,
+                              now=6000.0, min_step_seconds=0.5)
+        return led.rejected[0].reason if led.rejected else None
+
+    skew = CLOCK_SKEW_S
+    assert verdict(1000.0, 1, int(skew / 0.5) - 1) is None  # the skew allowance at the very start
+    assert verdict(1000.0, 1, int(skew / 0.5)) is not None  # one more step than it allows
+    assert verdict(1100.0, 1, int((100 + skew) / 0.5) - 1) is None
+    assert "steps in the 100 s" in (verdict(1100.0, 1, int((100 + skew) / 0.5)) or "")
+    assert verdict(5100.0, 2, 99 + int((100 + skew) / 0.5)) is None  # counted from the resume point
+    assert verdict(5100.0, 2, 99 + int((100 + skew) / 0.5) + 1) is not None
+    assert "future" in (verdict(6000.0 + skew + 1, 1, 5) or "")
+    assert verdict(6000.0 + skew - 1, 1, 5) is None
+    assert "before attempt 1 registered" in (verdict(1000.0 - skew - 1, 1, 5) or "")
+    assert "future" in (verdict(6000.0 + skew + 1, None, None, "budget-exhausted") or "")
+    assert verdict(10.0, None, None, "budget-exhausted") is None  # an operator's note has no attempt to bound it
+    with pytest.raises(InvalidInputError):
+        validate_events([], att, min_step_seconds=0.0)

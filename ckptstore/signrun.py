@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .authn import sidecar_key
+from .authn import ENV_KEYS, sidecar_key
 from .catalog import Catalog
-from .errors import CkptStoreError, CorruptionError, NotFoundError
+from .errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError
 from .protocol import (
     AttemptRecord,
     EventRecord,
@@ -99,6 +99,8 @@ def sign_run(catalog: Catalog) -> SignReport:
     consistent with the run's history (module docstring); refuse the rest
     with the reason. Never raises for a bad record or sidecar."""
     io, auth = catalog.io, catalog.auth
+    if auth.keyring is None or auth.keyring.active is None:
+        raise InvalidInputError(f"signing needs a key: set {ENV_KEYS}=ID:HEX or pass a key file")
     rep = SignReport()
 
     def authentic(key: str, rec: Signable) -> bool:

@@ -258,6 +258,9 @@ def test_sign_refuses_a_planted_fresh_start_and_the_last_good_save_stays_selecta
     assert any("names attempt 2" in why for why in rep.refused.values())  # the planted attempt's event
     assert {P.attempt_key("run", 1), P.LATEST_LAYOUT.commit_key("run", 3, 1),
             P.LATEST_LAYOUT.commit_key("run", 1, 1)} <= set(rep.signed)
+    # without a key, signing is refused outright (not reported record by record)
+    with pytest.raises(InvalidInputError, match="signing needs a key"):
+        CheckpointStore.open(place.backend(), "run", mode="r", auth_policy="warn", keyring=Keyring({})).sign()
     # the CLI reports the same refusals (and signs nothing twice)
     rc, out, err = cli(capsys, "sign", place.url, "run", *place.cli_opts, "--auth-key-file", str(kf))
     assert rc == 0 and "signed 0 record(s)" in out and "attempts/00000002.json" in out and "supersede" in out, (out, err)

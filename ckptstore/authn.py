@@ -4,7 +4,8 @@ store writes, and judging the records it reads (the tag format is in
 
 Keys are never stored with the checkpoints. They come from, in order: a
 :class:`Keyring` passed in, a callable (a key service), a key file
-(``{"active": ID, "keys": {ID: HEX}}``, refused if others can read it), or
+(``{"active": ID, "keys": {ID: HEX}}``; refused if it is a link, not owned
+by this user, or readable by others), or
 the ``CKPTSTORE_AUTH_KEYS`` environment variable (``ID:HEX[,ID:HEX...]``, the
 first one signs).
 
@@ -17,6 +18,7 @@ reader consults only for a record that carries no tag of its own.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import stat
 import warnings
@@ -25,7 +27,7 @@ from typing import TypeVar
 
 from .errors import InvalidInputError
 from .protocol import canonical_json, decode_json
-from .protocol.auth import AuthPolicy, AuthTag, Keyring, check_key_id
+from .protocol.auth import MIN_KEY_BYTES, AuthPolicy, AuthTag, Keyring, check_key_id
 from .protocol.records import Signable
 from .runio import RunIO
 
@@ -43,7 +45,7 @@ def _parse_hex_key(kid: str, text: str) -> bytes:
     try:
         return bytes.fromhex(text.strip())
     except ValueError:
-        raise InvalidInputError(f"key {kid!r} is not hexadecimal") from None
+        raise InvalidInputError(f"key {kid!r} is not hexadecimal (the value is not shown)") from None
 
 
 def keyring_from_env(var: str = ENV_KEYS) -> Keyring | None:
@@ -51,33 +53,107 @@ def keyring_from_env(var: str = ENV_KEYS) -> Keyring | None:
     if not spec:
         return None
     keys: dict[str, bytes] = {}
-    for part in spec.split(","):
+    for i, part in enumerate(spec.split(","), 1):
         kid, sep, hexkey = part.partition(":")
         if not sep:
             raise InvalidInputError(f"{var} must be ID:HEX[,ID:HEX...] (the key itself is not shown)")
-        keys[check_key_id(kid.strip())] = _parse_hex_key(kid, hexkey)
+        try:
+            key = _parse_hex_key(f"#{i}", hexkey)
+        except InvalidInputError:
+            raise InvalidInputError(f"{var}: key #{i} is not hexadecimal (the key is not shown)") from None
+        if len(key) < MIN_KEY_BYTES:  # checked here so no message quotes an ID that may be a misplaced key
+            raise InvalidInputError(f"{var}: key #{i} must be at least {MIN_KEY_BYTES} bytes (the key is not shown)")
+        try:
+            keys[check_key_id(kid.strip())] = key
+        except InvalidInputError:
+            raise InvalidInputError(f"{var}: the ID of key #{i} is not 1-64 letters, digits, '.', '_' or '-' "
+                                    "(the ID is not shown)") from None
     return Keyring(keys, next(iter(keys)))
 
 
-def keyring_from_file(path: str | os.PathLike[str]) -> Keyring:
-    p = os.fspath(path)
+#: Largest key file read; a bigger one is refused, never cut short.
+MAX_KEY_FILE = 1 << 16
+
+
+def _read_key_file(p: str) -> bytes:
+    """The bytes of a key file: opened without following a link at its last
+    component, and accepted only if it is a regular file owned by this user
+    and readable by nobody else (THREATS.md §2.2, §4.10). Errors name the
+    file and the cause, never its content."""
     try:
-        st = os.stat(p)
-        if st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
-            raise InvalidInputError(f"key file {p}: must be a regular file readable by its owner only (chmod 600)")
-        with open(p, "rb") as f:
-            data = f.read(1 << 16)
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidInputError(
+                f"key file {p}: is a symbolic link; key files are opened without following links "
+                "(point --auth-key-file at the file itself)"
+            ) from None
         raise InvalidInputError(f"key file {p}: {exc.strerror}") from None
     try:
-        doc = decode_json(data, where=p, max_bytes=1 << 16)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInputError(f"key file {p}: not a regular file")
+        if st.st_uid != os.geteuid():
+            raise InvalidInputError(
+                f"key file {p}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
+                "a key file must belong to the user who runs ckptstore (chown it, or use your own copy)"
+            )
+        if st.st_mode & 0o077:
+            raise InvalidInputError(f"key file {p}: must be a regular file readable by its owner only (chmod 600)")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_KEY_FILE:
+            chunk = os.read(fd, MAX_KEY_FILE + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise InvalidInputError(f"key file {p}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_KEY_FILE:
+        raise InvalidInputError(f"key file {p}: larger than {MAX_KEY_FILE} bytes; not a key file")
+    return b"".join(chunks)
+
+
+def keyring_from_file(path: str | os.PathLike[str]) -> Keyring:
+    """The key ring in a key file ``{"active": ID, "keys": {ID: HEX}}``.
+
+    Refused (:class:`InvalidInputError` naming the file and the cause, never
+    any of its content): a symbolic link, anything but a regular file, a file
+    owned by another user or readable by group or others, one over 64 KiB,
+    malformed JSON or keys."""
+    p = os.fspath(path)
+    data = _read_key_file(p)
+    try:
+        doc = decode_json(data, where=p, max_bytes=MAX_KEY_FILE)
     except Exception:  # noqa: BLE001 - never echo key material
         raise InvalidInputError(f"key file {p}: not valid JSON") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("keys"), dict) or not doc["keys"]:
         raise InvalidInputError(f'key file {p}: expected {{"active": ID, "keys": {{ID: HEX}}}}')
-    keys = {check_key_id(str(k)): _parse_hex_key(str(k), str(v)) for k, v in doc["keys"].items()}
+    keys: dict[str, bytes] = {}
+    for i, (k, v) in enumerate(doc["keys"].items(), 1):
+        # a key ID and a key swapped by mistake must not put the key into a message: name entries by position
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidInputError(f"key file {p}: entry #{i} of \"keys\" must map an ID to a hex string")
+        try:
+            key = _parse_hex_key(f"#{i}", v)
+            keys[check_key_id(k)] = key
+        except InvalidInputError:
+            raise InvalidInputError(
+                f"key file {p}: entry #{i} of \"keys\" is not ID: HEX (an ID is 1-64 letters, digits, '.', '_', '-'; "
+                "the entry is not shown)"
+            ) from None
+        if len(key) < MIN_KEY_BYTES:
+            raise InvalidInputError(f"key file {p}: key #{i} must be at least {MIN_KEY_BYTES} bytes (the key is not shown)")
     active = doc.get("active")
-    return Keyring(keys, str(active) if active is not None else None)
+    if active is not None and (not isinstance(active, str) or active not in keys):
+        raise InvalidInputError(f'key file {p}: "active" does not name one of its key IDs (the value is not shown)')
+    try:
+        return Keyring(keys, active)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"key file {p}: {exc}") from None
 
 
 def load_keyring(

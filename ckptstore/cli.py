@@ -23,6 +23,7 @@ from typing import Any
 from .cliout import OneLineParser, emit, esc, parse_options, run_guarded
 from .errors import ExtraRequiredError
 from .redact import redact_text
+from .runs.budget import MIN_STEP_SECONDS
 from .store import CheckpointStore, SaveRef
 from .terminal import sanitize
 
@@ -177,6 +178,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply, deep=not args.shallow)
     obj = {
         "dry_run": rep.dry_run,
+        "refused": rep.refused,
         "kept": rep.kept,
         "deleted_saves": [{"save_id": s, "reason": r} for s, r in rep.deleted_saves],
         "deleted_objects": [a.key for a in rep.actions],
@@ -188,8 +190,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     lines += [f"  {esc(s)}: {esc(r)}" for s, r in rep.deleted_saves]
     if rep.dry_run and rep.actions:
         lines.append("dry run: pass --apply to delete")
+    if rep.refused is not None:
+        # a refusal is a failed gc, never a silent success: the reason on stdout (and --json), exit 1
+        lines = [f"gc refused: deleted nothing: {esc(rep.refused)}"]
     _emit(args, obj, "\n".join(lines))
-    return 0
+    return 1 if rep.refused is not None else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -260,7 +265,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .runs.report import build_record, render_table, render_timeline_svg
 
     store = _open(args)
-    rec = build_record(store, Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours))
+    rec = build_record(store, Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours,
+                                     min_step_seconds=args.min_step_seconds))
     if args.svg:
         with open(args.svg, "w") as f:
             f.write(render_timeline_svg(rec))
@@ -358,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budget-gpu-hours", type=float, default=23.0)
     sp.add_argument("--gpu-hours-per-step", type=float, default=0.1)
     sp.add_argument("--restart-gpu-hours", type=float, default=0.25)
+    sp.add_argument("--min-step-seconds", type=float, default=MIN_STEP_SECONDS,
+                    help="the shortest time a step can take: progress claimed faster than this is not believed")
     sp.add_argument("--svg", default=None, help="also write the timeline picture here")
     sp.set_defaults(fn=cmd_report)
     return p

@@ -412,6 +412,11 @@ class CheckpointStore:
         return {"source_url": self.backend.url, "source_run": self.run_id, "save_id": ref.save_id, "step": ref.step,
                 "manifest_digest": ref.manifest_digest}
 
+    @property
+    def auth_policy(self) -> AuthPolicy:
+        """The ``auth_policy`` this store was opened with."""
+        return self._auth.policy
+
     def sign(self) -> SignReport:
         """Sign this run's existing records with the configured key (sidecar
         tags): the run record, attempt records, events, and every commit whose

@@ -77,7 +77,7 @@ def test_admission_and_young_daly() -> None:
 
 def test_record_renders(tmp_path) -> None:  # type: ignore[no-untyped-def]
     b = MemoryBackend()
-    st = CheckpointStore.open(b, "r", identity=IDENT)
+    st = CheckpointStore.open(b, "r", identity={**IDENT, "planned_steps": 3})  # no plan: "unconfirmed" (§4.9)
     for step in range(3):
         st.record_event("progress", {"step": step})
     with st.save(2) as s:

@@ -25,6 +25,11 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..protocol.records import AttemptRecord
 
+#: The fastest optimizer step the accounting believes by default (seconds): a
+#: physical floor, not a measurement. Declare the real one
+#: (``Budget.min_step_seconds``, ``report --min-step-seconds``) for a tight bound.
+MIN_STEP_SECONDS = 1e-3
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -33,7 +38,9 @@ class Budget:
     ``gpu_hours_per_step`` prices one optimizer step (measured from the pilot,
     or declared); ``restart_gpu_hours`` is the accelerator time a restart
     costs before the first useful step (start-up, loading); prices are per
-    GPU-hour.
+    GPU-hour. ``min_step_seconds`` is the shortest wall-clock time one step
+    can take: a progress claim of more steps than the time since its attempt
+    registered allows at that pace is not believed (THREATS.md §4.9).
     """
 
     limit_gpu_hours: float = 23.0
@@ -43,9 +50,10 @@ class Budget:
     ordinary_price_per_gpu_hour: float = 2.0
     storage_price_per_gb_month: float = 0.02
     transfer_price_per_gb: float = 0.0
+    min_step_seconds: float = MIN_STEP_SECONDS
 
     def __post_init__(self) -> None:
-        for k in ("limit_gpu_hours", "gpu_hours_per_step"):
+        for k in ("limit_gpu_hours", "gpu_hours_per_step", "min_step_seconds"):
             if getattr(self, k) <= 0:
                 raise InvalidInputError(f"budget {k} must be positive")
         for k in ("restart_gpu_hours", "price_per_gpu_hour", "ordinary_price_per_gpu_hour",

@@ -21,7 +21,17 @@ digests — and treat each event as a claim that is
    newest complete save, that save was committed by the same attempt at the
    final step, and the final step agrees with the planned length when the
    identity declares one; a ``budget-exhausted`` event counts only if the
-   report's own accounting agrees that the budget is spent.
+   report's own accounting agrees that the budget is spent;
+4. **bounded by wall-clock time**: an event's ``at`` lies neither in the
+   future nor before its attempt registered (both within
+   :data:`CLOCK_SKEW_S`), and a progress claim of step ``k`` by an attempt
+   that resumed from ``r`` (``-1``: from scratch) and registered at ``c`` is believed only if
+   ``k - r <= (at - c + CLOCK_SKEW_S) / min_step_seconds`` — no attempt is
+   credited more steps (hence GPU-hours) than the time it has existed allows.
+
+Without ``planned_steps`` in the identity (and outside ``auth_policy="require"``)
+a ``finished`` event cannot be confirmed by any record: the report marks
+promotion *unconfirmed*, never eligible (:mod:`ckptstore.runs.report`).
 
 Every rejected event is returned with its reason (the record lists them);
 nothing here raises on malformed input.
@@ -31,17 +41,22 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from ..errors import InvalidInputError
 from ..protocol.layout import MAX_STEP
+from .budget import MIN_STEP_SECONDS
 
 if TYPE_CHECKING:
     from .budget import Accounting, Budget
 
 #: Plausible wall-clock range of an event's ``at`` (seconds since the epoch).
 MAX_AT = 1e11
+#: How far the clocks of the run's writers and of the reader may disagree (seconds).
+CLOCK_SKEW_S = 300.0
 KNOWN_KINDS = frozenset({"start", "resume", "progress", "first-step", "save", "preempted", "budget-exhausted",
                          "finished"})
 #: Kinds that may be recorded without an attempt (by an operator, or by a job refused before it registered one).
@@ -96,18 +111,38 @@ def planned_steps(identity: Mapping[str, Any] | None) -> int | None:
     return v if _is_int(v) and 1 <= v <= MAX_STEP + 1 else None
 
 
-def _attempt_starts(attempts: Iterable[Any]) -> dict[int, int | None]:
-    """attempt number → resume point, from attempt records (``AttemptRecord``
-    objects, or their JSON form with ``attempt`` and ``resumed_from``)."""
-    out: dict[int, int | None] = {}
+def _attempt_starts(attempts: Iterable[Any]) -> dict[int, tuple[int | None, float | None]]:
+    """attempt number → (resume point, registration time), from attempt records
+    (``AttemptRecord`` objects, or their JSON form with ``attempt``,
+    ``resumed_from`` and ``created_at``)."""
+    out: dict[int, tuple[int | None, float | None]] = {}
     for a in attempts:
         if isinstance(a, Mapping):
-            n, r = a.get("attempt"), a.get("resumed_from")
+            n, r, c = a.get("attempt"), a.get("resumed_from"), a.get("created_at")
         else:
-            n, r = getattr(a, "number", None), getattr(a, "resumed_from", None)
+            n, r, c = getattr(a, "number", None), getattr(a, "resumed_from", None), getattr(a, "created_at", None)
         if _is_int(n):
-            out[n] = r if _is_int(r) else None
+            out[n] = (r if _is_int(r) else None, float(c) if _is_num(c) else None)
     return out
+
+
+def _check_time(kind: str, n: Any, at: float, step: Any, start: int, created: float | None, now: float,
+                min_step_seconds: float) -> str | None:
+    """Why an event's time, or the progress it claims in that time, is not believable (None: it is)."""
+    if at > now + CLOCK_SKEW_S:
+        return f"'at' lies {at - now:.0f} s in the future"
+    if n is None:
+        return None
+    if created is None:
+        return f"attempt {n}'s registration time is unknown, so its claims cannot be bounded"
+    if at < created - CLOCK_SKEW_S:
+        return f"'at' is {created - at:.0f} s before attempt {n} registered"
+    if kind == "progress" and _is_int(step):
+        allowed = (max(0.0, at - created) + CLOCK_SKEW_S) / min_step_seconds
+        if step - start > allowed:
+            return (f"progress step {step} claims {step - start} steps in the {max(0.0, at - created):.0f} s since "
+                    f"attempt {n} registered; at most {allowed:.0f} at {min_step_seconds:g} s per step")
+    return None
 
 
 def _check_payload(kind: str, p: Mapping[str, Any], start: int, planned: int | None) -> str | None:
@@ -148,14 +183,23 @@ def _check_payload(kind: str, p: Mapping[str, Any], start: int, planned: int | N
 
 
 def validate_events(
-    events: Iterable[Any], attempts: Iterable[Any], *, identity: Mapping[str, Any] | None = None
+    events: Iterable[Any],
+    attempts: Iterable[Any],
+    *,
+    identity: Mapping[str, Any] | None = None,
+    now: float | None = None,
+    min_step_seconds: float = MIN_STEP_SECONDS,
 ) -> Ledger:
     """Split ledger records into accepted (well-formed, consistent with the
-    attempt records and the identity's planned length) and rejected (with the
-    reason). Accepted events are returned as clean dicts with exactly
-    ``event``, ``at``, ``attempt`` and ``payload``."""
+    attempt records and the identity's planned length, bounded by wall-clock
+    time: rule 4 of the module docstring, ``now`` defaulting to the current
+    time) and rejected (with the reason). Accepted events are returned as
+    clean dicts with exactly ``event``, ``at``, ``attempt`` and ``payload``."""
     starts = _attempt_starts(attempts)
     planned = planned_steps(identity)
+    now = time.time() if now is None else now
+    if not min_step_seconds > 0:
+        raise InvalidInputError("min_step_seconds must be positive")
     out = Ledger()
     for e in events:
         if not isinstance(e, Mapping):
@@ -180,14 +224,15 @@ def validate_events(
             if kind in KNOWN_KINDS and kind not in NO_ATTEMPT_OK:
                 reject(f"a {kind!r} event must name its attempt")
                 continue
-            start = -1
+            start, created = -1, None
         elif not _is_int(n) or n not in starts:
             reject("names no registered attempt")
             continue
         else:
-            r = starts[n]
+            r, created = starts[n]
             start = -1 if r is None else r
-        why = _check_payload(kind, payload, start, planned)
+        why = _check_payload(kind, payload, start, planned) or _check_time(
+            kind, n, float(at), payload.get("step"), start, created, now, min_step_seconds)
         if why is not None:
             reject(why)
             continue

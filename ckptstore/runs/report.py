@@ -7,7 +7,10 @@ and saves, and returns a JSON-able dict; ``render_table`` and
 What it trusts (protocol_spec/THREATS.md): the protocol records. Ledger events
 are claims, validated and confirmed against the records by
 :mod:`ckptstore.runs.events`; the ones that fail are listed under
-``rejected_events`` and count for nothing.
+``rejected_events`` and count for nothing. Promotion is ``eligible`` only
+when the records confirm the finish; without ``planned_steps`` in the
+identity (outside ``auth_policy="require"``) it is ``unconfirmed`` — not
+eligible (protocol_spec/THREATS.md §4.9).
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ import html
 import time
 from typing import Any
 
+from ..protocol.auth import AuthPolicy
 from ..protocol.selection import SaveState
 from ..redact import redact_url
 from ..store import CheckpointStore
 from .budget import Budget, account, compare_costs
-from .events import RejectedEvent, confirm_budget_stop, confirm_finished, validate_events
+from .events import RejectedEvent, confirm_budget_stop, confirm_finished, planned_steps, validate_events
 
 
 def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: bool = True) -> dict[str, Any]:
     budget = budget or Budget()
     run = store.run_record
     attempts = store.attempts()
-    ledger = validate_events(store.events(), attempts, identity=run.get("identity"))
+    ledger = validate_events(store.events(), attempts, identity=run.get("identity"),
+                             min_step_seconds=budget.min_step_seconds)
     events = ledger.accepted
     rejected = list(ledger.rejected)
     acc = account(attempts, events, budget)
@@ -68,7 +73,16 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
         rep = store.verify(latest, deep=True)
         if not rep.ok:
             reasons.append("the final save does not verify: " + "; ".join(d for _, d in rep.problems))
+    # Without a planned length, "finished" rests on a ledger event alone, which anyone who can
+    # write the store can forge (unless only key holders' events count): never enough to promote.
+    unconfirmed = (not reasons and planned_steps(run.get("identity")) is None
+                   and store.auth_policy is not AuthPolicy.REQUIRE)
+    if unconfirmed:
+        reasons.append("unconfirmed: the run's identity declares no planned_steps, so that it finished rests on a "
+                       "ledger event anyone who can write the store can forge; declare planned_steps in the "
+                       "identity, or read the run with auth_policy=require (signed events)")
     eligible = not reasons
+    status = "eligible" if eligible else "unconfirmed" if unconfirmed else "not-eligible"
     commit_times = {(i.step, i.attempt): i.created_at for i in saves if i.created_at}
     now = time.time()
     last_commit_at = commit_times.get((latest.step, latest.attempt)) if latest else None
@@ -134,6 +148,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
         "final": final,
         "promotion": {
             "eligible": eligible,
+            "status": status,
             "reasons": reasons or ["finished, final save complete and verified, linked to its manifest"],
             "artifact_manifest_digest": latest.manifest_digest if (latest and eligible) else None,
         },
@@ -178,7 +193,8 @@ def render_table(rec: dict[str, Any]) -> str:
     if len(rejected) > 20:
         lines.append(f"    - … and {len(rejected) - 20} more (see --json)")
     p = rec["promotion"]
-    row("PROMOTION ELIGIBLE", "yes" if p["eligible"] else "NO")
+    row("PROMOTION ELIGIBLE", "yes" if p["eligible"] else
+        "NO (unconfirmed)" if p.get("status") == "unconfirmed" else "NO")
     for r in p["reasons"]:
         lines.append(f"    - {r}")
     return "\n".join(lines)

@@ -173,7 +173,8 @@ def spent_so_far(url: Any, run_id: str, budget: Budget, storage_options: dict[st
         return 0.0
     attempts = st.attempts()
     # only well-formed events consistent with the records count (a forged or malformed one never stops a run)
-    ledger = validate_events(st.events(), attempts, identity=st.run_record.get("identity"))
+    ledger = validate_events(st.events(), attempts, identity=st.run_record.get("identity"),
+                             min_step_seconds=budget.min_step_seconds)
     acc = account(attempts, ledger.accepted, budget)
     # a restart about to happen costs its start-up too
     return acc.spent_gpu_hours + (budget.restart_gpu_hours if acc.attempts else 0.0)

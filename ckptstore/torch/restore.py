@@ -14,7 +14,7 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -383,7 +383,15 @@ def read_with_fallback(store: CheckpointStore, ref: SaveRef) -> tuple[SavedState
     ``resume_verify="cheap"``, which checks sizes only), fall back to the
     newest older complete save that reads back intact, register an attempt
     that resumes from it (so the corrupt save leaves the run's history) and
-    record why. Nothing has been applied when this returns."""
+    record why. Nothing has been applied when this returns.
+
+    On many ranks (a store with ``read_resume_point``, such as
+    :class:`ckptstore.distributed.ranked.RankStore`) the same is decided once,
+    by the coordinator, for all ranks: every rank reads its own part, and if
+    any part is corrupt every rank falls back to the same older save."""
+    collective = getattr(store, "read_resume_point", None)
+    if collective is not None:
+        return cast("tuple[SavedState, SaveRef]", collective(ref, lambda r: read_save(store, r)))
     try:
         return read_save(store, ref), ref
     except CorruptionError as exc:

@@ -81,6 +81,16 @@ def saved_ids(url: str, opts: dict[str, Any]) -> set[str]:
     return {o.key[len(prefix):].split("/", 1)[0] for o in st.backend.list(prefix)}
 
 
+def flip(url: str, save_id: str, name: str) -> None:
+    """One bit of a stored component, written straight to the storage."""
+    key = P.component_key("run", save_id, name)
+    raw = RawAccess(backend_from_url(url))
+    data = bytearray(raw.get(key) or b"")
+    assert data
+    data[len(data) - 3] ^= 0x01  # in the last tensor's bytes
+    raw.set(key, bytes(data))
+
+
 # ------------------------------------------------------------------ many ranks
 
 
@@ -108,13 +118,8 @@ def test_corrupt_part_on_rank1_falls_back_on_every_rank(
 ) -> None:
     url = str(tmp_path / "store")
     trained(job(2, url, stop=5))  # saves 1, 3
-    st = CheckpointStore.open(url, "run", mode="r")
-    bad = st.get_save(3)
-    key = P.component_key("run", bad.save_id, "rank1/model.safetensors")
-    raw = RawAccess(backend_from_url(url))
-    data = bytearray(raw.get(key) or b"")
-    data[len(data) - 3] ^= 0x01  # one bit of a weight: same size, the cheap selection picks step 3
-    raw.set(key, bytes(data))
+    bad = CheckpointStore.open(url, "run", mode="r").get_save(3)
+    flip(url, bad.save_id, "rank1/model.safetensors")  # same size: the cheap selection picks step 3
 
     resumed = trained(job(2, url, stop=STOP, resume_verify="cheap"))
     # both ranks moved to the same older save, in the same new attempt, and continue exactly
@@ -132,6 +137,20 @@ def test_corrupt_part_on_rank1_falls_back_on_every_rank(
     # the corrupt save left the run's history: the newest complete save is the resumed job's
     latest = CheckpointStore.open(url, "run", mode="r").latest_complete(deep=True)
     assert latest is not None and latest.step == STOP - 1 and latest.attempt == 3
+
+
+def test_no_intact_save_left_is_the_same_error_on_every_rank(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    trained(job(2, url, stop=2))  # one save (step 1)
+    ref = CheckpointStore.open(url, "run", mode="r").get_save(1)
+    flip(url, ref.save_id, "rank1/optimizer.safetensors")
+    outs = results(job(2, url, stop=4, resume_verify="cheap"), "ckpt")
+    assert [o.get("type") for o in outs] == ["CorruptionError"] * 2, outs
+    assert outs[0]["message"] == outs[1]["message"]
+    assert "no complete save could be read back intact on every rank" in outs[0]["message"]
+    assert "rank 1: step 1" in outs[0]["message"]
+    events = [e["event"] for e in CheckpointStore.open(url, "run", mode="r").events()]
+    assert "resume-fallback" not in events and "resume" not in events
 
 
 def test_world_size_change_refused_the_same_on_every_rank(tmp_path: Path) -> None:

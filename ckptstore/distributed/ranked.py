@@ -157,25 +157,29 @@ class RankStore:
         failures: list[str] = []
         older: list[SaveRef] | None = None
         cand = ref
-        for _ in range(MAX_FALLBACK_TRIES + 1):
+        for tries in range(MAX_FALLBACK_TRIES + 1):
             result: list[T] = []
+            own: Exception | None = None
             try:
                 result.append(read(cand))
                 mine: dict[str, Any] = {"ok": True}
             except CorruptionError as exc:
                 mine = {"ok": False, "corrupt": f"rank {run.rank}: step {cand.step} ({cand.save_id}): {exc}"}
             except Exception as exc:  # noqa: BLE001 - told to every rank, raised everywhere
+                own = exc
                 mine = {"ok": False, "error": error_to_json(exc)}
             tag = ch.next()
             ch.post(tag, "verified", mine)
             if ch.is_coordinator:
-                decision = self._decide(tag, cand, ref, failures, older)
+                decision = self._decide(tag, cand, ref, failures, older, last=tries == MAX_FALLBACK_TRIES)
                 if decision.get("next") is not None:
                     older = decision.pop("_older")
                 ch.post(tag, "decision", {k: v for k, v in decision.items() if not k.startswith("_")})
             else:
                 decision = ch.receive(tag, "decision", timeout=run.save_timeout + ch.timeout)
             if "error" in decision:
+                if own is not None:
+                    raise own  # this rank's own error, its real type (the others raise the one reported)
                 raise error_from_json(decision["error"])
             if decision.get("next") is not None:
                 cand = self._ref(decision["next"])
@@ -186,7 +190,7 @@ class RankStore:
         raise CorruptionError(f"run {self.run_id!r}: the fallback did not settle")  # pragma: no cover
 
     def _decide(
-        self, tag: str, cand: SaveRef, ref: SaveRef, failures: list[str], older: list[SaveRef] | None
+        self, tag: str, cand: SaveRef, ref: SaveRef, failures: list[str], older: list[SaveRef] | None, *, last: bool
     ) -> dict[str, Any]:
         """Coordinator: gather every rank's outcome for ``cand``; say what all do next."""
         run, ch, store = self.run, self.run.channel, self.run.store
@@ -210,9 +214,10 @@ class RankStore:
                     and (i.step, i.attempt) < (ref.step, ref.attempt)
                 ]
             older = [o for o in older if (o.step, o.attempt) < (cand.step, cand.attempt)]
-            if not older or len(failures) > MAX_FALLBACK_TRIES * ch.world_size:
+            if not older or last:
                 raise CorruptionError(_summary(
-                    f"run {self.run_id!r}: no complete save could be read back intact on every rank", failures))
+                    f"run {self.run_id!r}: no complete save could be read back intact on every rank"
+                    f"{' (' + str(MAX_FALLBACK_TRIES) + ' older saves tried)' if older else ''}", failures))
             nxt = older[0]
             return {"next": _ref_to_json(nxt), "_older": older}
         except Exception as exc:  # noqa: BLE001 - every rank raises the same

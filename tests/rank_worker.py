@@ -56,7 +56,10 @@ def train(run: Any, args: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = torch.nn.Linear(4, 2)
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if args.get("adam_on_rank") == run.rank:  # a rank whose objects do not fit the save
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = ResumableLoader(Indexed(), batch_size=2, seed=7, num_replicas=run.world_size, rank=run.rank)
     torch.manual_seed(100 + run.rank)  # per-rank training randomness
     ckpt = Checkpointer(RankStore(run), {"model": model, "optimizer": opt, "loader": loader}, every_steps=2,

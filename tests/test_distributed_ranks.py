@@ -156,6 +156,11 @@ def test_no_intact_save_left_is_the_same_error_on_every_rank(tmp_path: Path) -> 
 def test_world_size_change_refused_the_same_on_every_rank(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     trained(job(2, url, stop=2))  # one save (step 1) by 2 ranks
+    # (first, on the same world size: a misfit on one rank is refused on every rank, before anything is loaded)
+    outs = results(job(2, url, stop=4, adam_on_rank=1), "ckpt")
+    assert [o.get("type") for o in outs] == ["RemoteError", "CheckpointMismatchError"], outs
+    assert "saved by a torch.optim.sgd.SGD" in outs[1]["message"]
+    assert outs[0]["message"] == "CheckpointMismatchError: rank 1: " + outs[1]["message"]
     # the identity names the world size: one refusal that names the way out
     opens = results(job(3, url, stop=4), "open")
     assert [o["type"] for o in opens] == ["IdentityMismatchError"] * 3
@@ -174,6 +179,7 @@ def test_world_size_change_refused_the_same_on_every_rank(tmp_path: Path) -> Non
     assert "DCP reader" in msg and "cannot reshard" in msg
     events = [e["event"] for e in CheckpointStore.open(url, "run", mode="r").events()]
     assert "reshard" in events and events.count("resume") == 0 and events.count("start") == 1
+    assert "resume-fallback" not in events
 
 
 # ------------------------------------------------------------------ the sharded position, one process

@@ -146,13 +146,17 @@ class RankStore:
             keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds, dry_run=dry_run, deep=deep
         )
 
-    def read_resume_point(self, ref: SaveRef, read: Callable[[SaveRef], T]) -> tuple[T, SaveRef]:
+    def read_resume_point(
+        self, ref: SaveRef, read: Callable[[SaveRef], T], check: Callable[[T, SaveRef], None] | None = None
+    ) -> tuple[T, SaveRef]:
         """Collective: read this rank's part of the resume point with ``read``;
         if any rank finds its part corrupt (:class:`CorruptionError`), every
         rank falls back to the same older complete save that every rank reads
         back intact. The coordinator registers it (a new attempt that the
         others join, ``resume-fallback`` recorded with every rank's reasons).
-        Any other error on any rank is raised on every rank, the same."""
+        ``check`` (e.g. "does the save fit the live objects") runs on the read
+        state; its error, like any other error than corruption on any rank, is
+        raised on every rank (never a reason to fall back)."""
         run, ch = self.run, self.run.channel
         failures: list[str] = []
         older: list[SaveRef] | None = None
@@ -167,7 +171,13 @@ class RankStore:
                 mine = {"ok": False, "corrupt": f"rank {run.rank}: step {cand.step} ({cand.save_id}): {exc}"}
             except Exception as exc:  # noqa: BLE001 - told to every rank, raised everywhere
                 own = exc
-                mine = {"ok": False, "error": error_to_json(exc)}
+                mine = {"ok": False, "error": _error_of(run.rank, exc)}
+            if result and check is not None:
+                try:
+                    check(result[0], cand)
+                except Exception as exc:  # noqa: BLE001 - a misfit is no corruption: raised everywhere
+                    own = exc
+                    mine = {"ok": False, "error": _error_of(run.rank, exc)}
             tag = ch.next()
             ch.post(tag, "verified", mine)
             if ch.is_coordinator:
@@ -254,6 +264,13 @@ class RankStore:
         if ref.manifest_digest != to.manifest_digest:
             raise CorruptionError(f"run {store.run_id!r}: the commit of step {to.step} changed while falling back")
         return ref
+
+
+def _error_of(rank: int, exc: BaseException) -> dict[str, Any]:
+    """``exc`` as JSON, its message naming the rank (the other ranks raise it)."""
+    out = error_to_json(exc)
+    out["message"] = f"rank {rank}: {out['message']}"
+    return out
 
 
 def _ref_to_json(ref: SaveRef) -> dict[str, Any]:

@@ -93,10 +93,19 @@ class IdentityMismatchError(CkptStoreError):
         self.fields = list(fields)
         self.details = details
         shown = "; ".join(f"{k}: stored {details[k][0]!r}, requested {details[k][1]!r}" for k in self.fields)
+        if self.fields == ["world_size"]:
+            # the one difference that has a supported continuation: resharding
+            advice = (
+                "Only the number of ranks changed: to continue this run on the new world size, open it with "
+                "open_distributed(..., reshard=True) and load the save with the DCP reader "
+                "(ckptstore.distributed.dcp), which reshards; the per-rank Checkpointer path (RankStore) cannot. "
+                "Or resume with the original world size."
+            )
+        else:
+            advice = ("A changed identity is a new experiment: open a new run ID (lineage=... records where it came "
+                      "from) instead of resuming this one.")
         super().__init__(
-            f"run {run_id!r} is bound to a different identity ({len(self.fields)} field(s) differ: {shown}). "
-            "A changed identity is a new experiment: open a new run ID (lineage=... records where it came from) "
-            "instead of resuming this one."
+            f"run {run_id!r} is bound to a different identity ({len(self.fields)} field(s) differ: {shown}). {advice}"
         )
 
 

@@ -413,7 +413,8 @@ def _coordinator_open(
             raise WorldSizeMismatchError(
                 f"run {run_id!r}: the save being resumed (step {ref.step if ref else '?'}) was written by "
                 f"{saved_ws} ranks, this job has {world_size}; pass reshard=True and load it with the DCP reader "
-                "to reshard"
+                "(ckptstore.distributed.dcp), which reshards (the per-rank Checkpointer path, RankStore, cannot), "
+                f"or resume with {saved_ws} ranks"
             )
         resharded = {"from_world_size": saved_ws, "to_world_size": world_size}
     if resharded is not None:

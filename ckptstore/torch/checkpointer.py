@@ -233,8 +233,8 @@ class Checkpointer:
             problem = live_iterator_problem(name, obj)
             if problem:
                 raise InvalidInputError(problem)
-        saved, ref = read_with_fallback(self.store, ref)
-        check_fit(self.objects, saved, ref)
+        # checked before anything is loaded (on many ranks: on every rank, one outcome for all)
+        saved, ref = read_with_fallback(self.store, ref, lambda st, r: check_fit(self.objects, st, r))
         diffs = config_diffs(self.objects, saved.trees)
         if diffs and choice == "refuse":
             raise CheckpointMismatchError(summarize(

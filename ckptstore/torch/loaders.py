@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data.distributed import DistributedSampler
 
 from ..errors import InvalidInputError
-from .sampler import ResumableSampler, settle_global_rng, warn_diverged
+from .sampler import ResumableSampler, carry_position, settle_global_rng, shard_length, warn_diverged
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -85,6 +86,13 @@ class ResumableLoader:
     Register it with the Checkpointer (``{"loader": loader, ...}``); iterate it
     once per epoch (``for batch in loader``), creating the iterator after
     ``ckpt.resume()``. Other keyword arguments go to ``DataLoader``.
+
+    Many ranks: ``num_replicas=world, rank=rank`` gives this rank the shard a
+    ``DistributedSampler`` would (padded to equal length), every rank with the
+    same ``seed``; each rank's position is its own. A position saved with
+    another number of ranks carries over when the batches the ranks consumed
+    together split evenly into whole batches on the new number (see
+    :mod:`ckptstore.torch.sampler`), else loading it is refused.
     """
 
     def __init__(
@@ -98,6 +106,8 @@ class ResumableLoader:
         num_workers: int = 0,
         seed_samples: bool = True,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_replicas: int = 1,
+        rank: int = 0,
         **dataloader_kw: Any,
     ) -> None:
         for k in ("sampler", "batch_sampler", "generator", "worker_init_fn"):
@@ -110,7 +120,7 @@ class ResumableLoader:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.seed_samples = seed_samples
-        self.sampler = ResumableSampler(n, seed=seed, shuffle=shuffle)
+        self.sampler = ResumableSampler(n, seed=seed, shuffle=shuffle, num_replicas=num_replicas, rank=rank)
         self.sampler._keyed = seed_samples
         self.epoch = 0
         #: batches of ``epoch`` handed to the training loop
@@ -135,8 +145,8 @@ class ResumableLoader:
     def arm_after_resume(self, global_rng: torch.Tensor) -> None:
         self._armed = global_rng.clone()
 
-    def _batches_per_epoch(self) -> int:
-        n = self.sampler.num_samples
+    def _batches_per_epoch(self, n: int | None = None) -> int:
+        n = self.sampler.length if n is None else n
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __len__(self) -> int:
@@ -148,7 +158,7 @@ class ResumableLoader:
             self.rng_after_resume = settle_global_rng(expected, "ResumableLoader")
         if self.batches >= self._batches_per_epoch():
             self.epoch, self.batches = self.epoch + 1, 0
-        self.sampler._start(self.epoch, min(self.batches * self.batch_size, self.sampler.num_samples))
+        self.sampler._start(self.epoch, min(self.batches * self.batch_size, self.sampler.length))
         self._live += 1
         try:
             for batch in self._dl:
@@ -175,10 +185,22 @@ class ResumableLoader:
                     f"loader {k} differs: saved {state.get(k)!r}, this loader {getattr(self, k)!r} "
                     "(a different batching or augmentation scheme is a different experiment)"
                 )
-        self.sampler.load_state_dict(state["sampler"])
+        sst = state["sampler"]
+        self.sampler.load_state_dict(sst)
         epoch, batches = state.get("epoch"), state.get("batches")
         if not isinstance(epoch, int) or not isinstance(batches, int) or epoch < 0 or batches < 0:
             raise InvalidInputError(f"saved loader position (epoch {epoch!r}, batches {batches!r}) is not valid")
+        replicas = sst.get("num_replicas", 1) if isinstance(sst, dict) else 1
+        if replicas != self.sampler.num_replicas:  # checked by the sampler's load: a positive int
+            saved_len = shard_length(self.sampler.num_samples, replicas, bool(sst.get("drop_last", False)))
+            saved_bpe = self._batches_per_epoch(saved_len)
+            if batches >= saved_bpe:
+                batches = self._batches_per_epoch()  # a finished epoch stays finished
+            else:
+                batches = carry_position(
+                    batches * self.batch_size, saved_len, self.sampler.length, replicas, self.sampler.num_replicas,
+                    saved_rank=0, rank=0, same_cut=True, unit=self.batch_size,
+                ) // self.batch_size
         self.epoch, self.batches = epoch, batches
 
 
@@ -293,6 +315,16 @@ def live_iterator_problem(name: str, obj: Any) -> str | None:
 
 def plain_loader_problem(name: str, obj: Any) -> str | None:
     """A registered object the Checkpointer cannot save exactly, with the fix."""
+    fix = ("Use ckptstore.torch.ResumableSampler(len(dataset), num_replicas=world_size, rank=rank, seed=seed) in its "
+           "place (the same partition, an exact saved position; register it, num_workers=0), or "
+           "ckptstore.torch.ResumableLoader(dataset, batch_size=..., num_replicas=world_size, rank=rank) (any "
+           "num_workers).")
+    if isinstance(obj, DistributedSampler):
+        return (f"{name}: torch's DistributedSampler has no state_dict(): its epoch and position in the epoch "
+                f"cannot be saved. {fix}")
+    if isinstance(obj, DataLoader) and isinstance(getattr(obj, "sampler", None), DistributedSampler):
+        return (f"{name}: a torch DataLoader over a DistributedSampler has no state_dict(), and neither has the "
+                f"sampler: the data position cannot be saved. {fix}")
     if isinstance(obj, DataLoader) and not hasattr(obj, "state_dict"):
         sampler = getattr(obj, "sampler", None)
         hint = (f"register its sampler instead ({name!r}: loader.sampler) and keep num_workers=0, or "

@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -378,12 +378,33 @@ def restore_state(
     return saved.trees
 
 
-def read_with_fallback(store: CheckpointStore, ref: SaveRef) -> tuple[SavedState, SaveRef]:
+def read_with_fallback(
+    store: CheckpointStore, ref: SaveRef, check: Callable[[SavedState, SaveRef], None] | None = None
+) -> tuple[SavedState, SaveRef]:
     """Read the resume point; if its bytes turn out corrupt (possible with
     ``resume_verify="cheap"``, which checks sizes only), fall back to the
     newest older complete save that reads back intact, register an attempt
     that resumes from it (so the corrupt save leaves the run's history) and
-    record why. Nothing has been applied when this returns."""
+    record why. Nothing has been applied when this returns.
+
+    On many ranks (a store with ``read_resume_point``, such as
+    :class:`ckptstore.distributed.ranked.RankStore`) the same is decided once,
+    by the coordinator, for all ranks: every rank reads its own part, and if
+    any part is corrupt every rank falls back to the same older save.
+
+    ``check(saved, ref)`` (e.g. :func:`check_fit`) is applied to the save that
+    was chosen; its error is raised (never a reason to fall back), on many
+    ranks on every rank alike."""
+    collective = getattr(store, "read_resume_point", None)
+    if collective is not None:
+        return cast("tuple[SavedState, SaveRef]", collective(ref, lambda r: read_save(store, r), check))
+    saved, ref = _read_with_fallback(store, ref)
+    if check is not None:
+        check(saved, ref)
+    return saved, ref
+
+
+def _read_with_fallback(store: CheckpointStore, ref: SaveRef) -> tuple[SavedState, SaveRef]:
     try:
         return read_save(store, ref), ref
     except CorruptionError as exc:

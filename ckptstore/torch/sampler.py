@@ -19,6 +19,18 @@ Two ways to keep that position, and which to use:
   its own cursor — reporting a position never rewinds it (so no sample is
   handed out twice). The next iterator starts at the reported position.
 
+Many ranks (``num_replicas``, ``rank``): rank ``r`` of ``R`` gets exactly the
+indices ``torch.utils.data.DistributedSampler`` gives it (the epoch's
+permutation, padded by repeating its start to a multiple of ``R`` — or cut,
+``drop_last=True`` — then every ``R``-th index from ``r``), so it replaces a
+``DistributedSampler`` one for one; the epoch advances by itself (there is no
+``set_epoch``: read ``sampler.epoch``). Each rank saves its own position.
+A position saved with another number of ranks carries over when it can be
+exact: the ranks consumed the first ``offset * R`` positions of the epoch's
+order together, so on ``R'`` ranks each resumes at ``offset * R / R'`` when that
+divides evenly (a finished epoch stays finished); otherwise loading it is
+refused (:class:`InvalidInputError`), never rounded.
+
 After :meth:`~ckptstore.torch.Checkpointer.resume` the sampler also undoes the
 pitfall of a DataLoader without its own ``generator=``: creating the iterator
 draws one number from the global torch RNG, a draw the uninterrupted run made
@@ -87,13 +99,40 @@ def warn_diverged(where: str) -> None:
     )
 
 
+def shard_length(num_samples: int, num_replicas: int, drop_last: bool) -> int:
+    """Samples per epoch of each of ``num_replicas`` ranks (DistributedSampler's ``num_samples``)."""
+    if drop_last and num_samples % num_replicas:
+        return -(-(num_samples - num_replicas) // num_replicas)
+    return -(-num_samples // num_replicas)
+
+
 class ResumableSampler(Sampler[int]):
-    def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
+    """Seeded, resumable sampling of ``num_samples`` indices (see the module
+    docstring); with ``num_replicas``/``rank``, this rank's shard, as
+    DistributedSampler partitions it."""
+
+    def __init__(
+        self, num_samples: int, *, seed: int = 0, shuffle: bool = True, num_replicas: int = 1, rank: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         if num_samples <= 0:
             raise InvalidInputError("num_samples must be positive")
+        if type(num_replicas) is not int or num_replicas < 1:
+            raise InvalidInputError("num_replicas must be a positive integer (the number of ranks sharing the data)")
+        if type(rank) is not int or not 0 <= rank < num_replicas:
+            raise InvalidInputError(f"rank must be in 0..{num_replicas - 1}, got {rank!r}")
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = bool(drop_last)
+        #: samples of each epoch on this rank (``num_samples`` on one rank)
+        self.length = shard_length(num_samples, num_replicas, self.drop_last)
+        if self.length <= 0:
+            raise InvalidInputError(
+                f"{num_samples} samples cannot be sharded over {num_replicas} ranks with drop_last=True"
+            )
         #: the saved position: epoch and samples of it consumed
         self.epoch = 0
         self.offset = 0
@@ -107,11 +146,19 @@ class ResumableSampler(Sampler[int]):
         self.rng_after_resume: str | None = None
 
     def order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=g).tolist()
+        """This rank's indices of epoch ``epoch``, in order (DistributedSampler's)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            indices: list[int] = torch.randperm(self.num_samples, generator=g).tolist()
+        else:
+            indices = list(range(self.num_samples))
+        if self.num_replicas == 1:
+            return indices
+        total = self.length * self.num_replicas
+        while len(indices) < total:  # padded by repeating the start (drop_last=False)
+            indices += indices[: total - len(indices)]
+        return indices[self.rank:total:self.num_replicas]
 
     def arm_after_resume(self, global_rng: torch.Tensor) -> None:
         """Check (and where possible repair) the global RNG at the first iteration."""
@@ -126,9 +173,9 @@ class ResumableSampler(Sampler[int]):
         if self._armed is not None:
             expected, self._armed = self._armed, None
             self.rng_after_resume = settle_global_rng(expected, "ResumableSampler",
-                                                      epoch_start=self.offset >= self.num_samples)
+                                                      epoch_start=self.offset >= self.length)
         epoch, offset = self.epoch, self.offset
-        if offset >= self.num_samples:  # the saved position is the end of an epoch
+        if offset >= self.length:  # the saved position is the end of an epoch
             epoch, offset = epoch + 1, 0
             if not self.manual:
                 self.epoch, self.offset = epoch, offset
@@ -137,7 +184,7 @@ class ResumableSampler(Sampler[int]):
         self._start_pos = (epoch, offset)
         self._live += 1
         try:
-            while offset < self.num_samples:
+            while offset < self.length:
                 i = order[offset]
                 offset += 1
                 if not self.manual:
@@ -150,13 +197,13 @@ class ResumableSampler(Sampler[int]):
             self.epoch, self.offset = epoch + 1, 0
 
     def __len__(self) -> int:
-        return self.num_samples - min(self.offset, self.num_samples)
+        return self.length - min(self.offset, self.length)
 
     def set_position(self, epoch: int, offset: int) -> None:
         """Report the consumed position (manual mode). Never moves a live iterator."""
-        if epoch < 0 or not 0 <= offset <= self.num_samples:
+        if epoch < 0 or not 0 <= offset <= self.length:
             raise InvalidInputError(
-                f"position (epoch {epoch}, offset {offset}) outside epochs >= 0, offsets 0..{self.num_samples}"
+                f"position (epoch {epoch}, offset {offset}) outside epochs >= 0, offsets 0..{self.length}"
             )
         self.manual = True
         self.epoch, self.offset = epoch, offset
@@ -170,11 +217,11 @@ class ResumableSampler(Sampler[int]):
             # the first report: count from where the live iterator started, not from what it handed out
             self.epoch, self.offset = self._start_pos
         epoch, offset = self.epoch, self.offset
-        if offset >= self.num_samples:
+        if offset >= self.length:
             epoch, offset = epoch + 1, 0
-        if offset + n > self.num_samples:
+        if offset + n > self.length:
             raise InvalidInputError(
-                f"advance({n}) at offset {offset} passes the end of the epoch ({self.num_samples} samples): "
+                f"advance({n}) at offset {offset} passes the end of the epoch ({self.length} samples): "
                 "a batch never spans two epochs; report len(batch) of each consumed batch"
             )
         self.manual = True
@@ -186,13 +233,16 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.offset = epoch, offset
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "num_samples": self.num_samples,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "epoch": self.epoch,
             "offset": self.offset,
         }
+        if self.num_replicas != 1:  # one rank keeps the layout of earlier releases
+            out.update(num_replicas=self.num_replicas, rank=self.rank, drop_last=self.drop_last)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in ("num_samples", "seed", "shuffle"):
@@ -201,7 +251,50 @@ class ResumableSampler(Sampler[int]):
                     f"sampler {k} differs: saved {state.get(k)!r}, this sampler {getattr(self, k)!r} "
                     "(a different data set or order is a different experiment)"
                 )
+        replicas, rank, drop_last = state.get("num_replicas", 1), state.get("rank", 0), state.get("drop_last", False)
+        if type(replicas) is not int or replicas < 1 or type(rank) is not int or not 0 <= rank < replicas \
+                or type(drop_last) is not bool:
+            raise InvalidInputError(
+                f"saved sampler sharding (num_replicas {replicas!r}, rank {rank!r}, drop_last {drop_last!r}) is not valid"
+            )
+        saved_len = shard_length(self.num_samples, replicas, drop_last)
         epoch, offset = state.get("epoch"), state.get("offset")
-        if not isinstance(epoch, int) or not isinstance(offset, int) or epoch < 0 or not 0 <= offset <= self.num_samples:
+        if type(epoch) is not int or type(offset) is not int or epoch < 0 or not 0 <= offset <= saved_len:
             raise InvalidInputError(f"saved sampler position (epoch {epoch!r}, offset {offset!r}) is not valid")
-        self.epoch, self.offset = epoch, offset
+        self.epoch, self.offset = epoch, carry_position(
+            offset, saved_len, self.length, replicas, self.num_replicas, saved_rank=rank, rank=self.rank,
+            same_cut=drop_last == self.drop_last, unit=1,
+        )
+
+
+def carry_position(
+    offset: int, saved_len: int, length: int, saved_replicas: int, replicas: int, *, saved_rank: int, rank: int,
+    same_cut: bool, unit: int,
+) -> int:
+    """This rank's offset in the epoch for a position saved as ``offset`` (of
+    ``saved_len``) by rank ``saved_rank`` of ``saved_replicas``. The same world
+    size: the same rank's position, as saved. Another world size: the ranks
+    consumed the first ``offset * saved_replicas`` positions of the epoch's
+    order together; each of ``replicas`` ranks resumes at that number divided
+    by ``replicas`` when it divides evenly into whole ``unit`` s (1 sample, or
+    one batch of the loader); a finished epoch stays finished. Anything else is
+    refused: never rounded (that would repeat or skip samples)."""
+    if saved_replicas == replicas:
+        if saved_rank != rank:
+            raise InvalidInputError(
+                f"this position was saved by rank {saved_rank}, this sampler is rank {rank} of {replicas}: each rank "
+                "restores its own position (a save's rank<r>/ state belongs to rank r)"
+            )
+        if not same_cut:
+            raise InvalidInputError("sampler drop_last differs from the saved one (a different shard layout)")
+        return offset
+    if offset >= saved_len:
+        return length  # the epoch was finished: the next one starts fresh on the new world size
+    consumed = offset * saved_replicas
+    if consumed % (replicas * unit) or consumed // replicas > length:
+        raise InvalidInputError(
+            f"the data position was saved on {saved_replicas} ranks ({offset} samples each, {consumed} of the epoch "
+            f"in all); {consumed} does not split into whole {'batches' if unit > 1 else 'samples'} over {replicas} "
+            "ranks, so it cannot carry over exactly. Resume with the saved world size, or at an epoch boundary"
+        )
+    return consumed // replicas

@@ -141,3 +141,107 @@ def test_records_that_grew_after_listing_cost_their_listed_size_in_a_batch(
         assert saves[r.step].ref is None  # a record that changed is never trusted
     latest = reader.latest_complete()
     assert latest is not None and latest.step == 0 and reader.read(latest, "model") == good
+
+
+# ------------------------------------------------- torch restore: the claim is bounded before allocating
+
+
+def _torch_objects(seed: int) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(16, 8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt}
+
+
+def _weights(objects: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in objects["model"].state_dict().items()}
+
+
+def _same_bits(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+    )
+
+
+def _two_torch_saves(store: CheckpointStore) -> tuple[dict[str, Any], P.CommitRecord]:
+    from ckptstore.torch import save_state
+
+    first = _torch_objects(1)
+    save_state(store, 1, first)
+    second = _torch_objects(2)
+    ref2 = save_state(store, 2, second)
+    return _weights(first), ref2.record
+
+
+@pytest.mark.backends("memory", "local", "moto")
+def test_a_terabyte_component_claim_is_refused_before_allocating_and_the_fallback_restores_the_previous_save(
+    backend_factory: Callable[[], Backend],
+) -> None:
+    from ckptstore.torch import Checkpointer, read_state, restore_state
+    from ckptstore.torch.restore import read_with_fallback
+
+    store = CheckpointStore.open(backend_factory(), "run", identity=IDENT)
+    good, rec2 = _two_torch_saves(store)
+    _forge_sizes(backend_factory(), rec2, {"model.safetensors": TIB})  # a consistent record claiming 1 TiB
+
+    b = backend_factory()
+    counted = Counted(b, "get_range", "readinto")
+    reader = CheckpointStore.open(b, "run", identity=IDENT, resume_verify="cheap")
+    forged = reader.get_save(2)  # not verified: the claim reaches the restore
+    key = P.component_key("run", forged.save_id, "model.safetensors")
+    live = _torch_objects(3)
+    with pytest.raises(CorruptionError, match=r"claims 1099511627776 bytes, more than the live 'model' can hold"):
+        restore_state(reader, forged, live)
+    assert not [c for calls in counted.calls.values() for c in calls if c[0] == key]  # refused before any read
+    with pytest.raises(CorruptionError, match="model.safetensors"):  # no live objects: the allocation itself fails closed
+        read_state(reader, forged)
+
+    # the Checkpointer's fallback reads past it to the previous save, bit for bit
+    with pytest.warns(RuntimeWarning, match="resume point step 2 is corrupt; resuming from step 1"):
+        saved, ref = read_with_fallback(reader, forged, live)
+    assert ref.step == 1 and _same_bits(saved.trees["model"], good)
+
+    # and a Checkpointer resuming this run never loses step 1 (selection skips the claim by its size)
+    again = CheckpointStore.open(backend_factory(), "run", identity=IDENT, resume_verify="cheap")
+    objs = _torch_objects(4)
+    ckpt = Checkpointer(again, objs, async_save=False, handle_signals=False)
+    assert ckpt.resume() == 2
+    assert _same_bits(_weights(objs), good)
+    ckpt.close()
+
+
+@pytest.mark.backends("local")
+def test_checkpointer_falls_back_past_a_sparse_terabyte_component(
+    backend_factory: Callable[[], Backend],
+) -> None:
+    """On a disk the listing can agree with the claim (a sparse 1 TiB file),
+    so only the restore's bound stands between the claim and the allocator."""
+    from ckptstore.backends.local import LocalBackend
+    from ckptstore.torch import Checkpointer
+
+    b = backend_factory()
+    assert isinstance(b, LocalBackend)
+    store = CheckpointStore.open(b, "run", identity=IDENT)
+    good, rec2 = _two_torch_saves(store)
+    path = f"{b.root}/{P.component_key('run', rec2.save_id, 'model.safetensors')}"
+    with open(path, "r+b") as f:
+        f.truncate(TIB)  # sparse: no disk space used
+    _forge_sizes(b, rec2, {"model.safetensors": TIB})
+
+    counted = Counted(b, "readinto")
+    resumed = CheckpointStore.open(b, "run", identity=IDENT, resume_verify="cheap")
+    assert resumed.resumed_from is not None and resumed.resumed_from.step == 2  # sizes agree: selected
+    objs = _torch_objects(5)
+    ckpt = Checkpointer(resumed, objs, async_save=False, handle_signals=False)
+    with pytest.warns(RuntimeWarning, match="resume point step 2 is corrupt; resuming from step 1"):
+        assert ckpt.resume() == 2
+    assert _same_bits(_weights(objs), good)
+    assert not [c for c in counted.calls["readinto"] if c[0].endswith("model.safetensors") and rec2.save_id in c[0]]
+    assert resumed.resumed_from is not None and resumed.resumed_from.step == 1  # a new attempt resumes from step 1
+    ckpt.close()

@@ -233,7 +233,7 @@ class Checkpointer:
             problem = live_iterator_problem(name, obj)
             if problem:
                 raise InvalidInputError(problem)
-        saved, ref = read_with_fallback(self.store, ref)
+        saved, ref = read_with_fallback(self.store, ref, self.objects)
         check_fit(self.objects, saved, ref)
         diffs = config_diffs(self.objects, saved.trees)
         if diffs and choice == "refuse":

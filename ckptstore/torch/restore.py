@@ -25,6 +25,7 @@ from .. import (
     SaveRef,
     SaveState,
 )
+from .bounds import component_bounds
 from .loaders import is_stateful_dataloader
 from .state import (
     RNG_KEY,
@@ -372,20 +373,25 @@ def restore_state(
     optimizer or scheduler is an error, not a silent fresh start). Everything
     is checked before anything is loaded. Returns every saved tree (plain
     entries such as counters included)."""
-    saved = read_save(store, ref)
+    saved = read_save(store, ref, component_bounds(objects))
     check_fit(objects, saved, ref)
     apply_state(objects, saved.trees, restore_rng_state=restore_rng_state)
     return saved.trees
 
 
-def read_with_fallback(store: CheckpointStore, ref: SaveRef) -> tuple[SavedState, SaveRef]:
+def read_with_fallback(
+    store: CheckpointStore, ref: SaveRef, objects: Mapping[str, Any] | None = None
+) -> tuple[SavedState, SaveRef]:
     """Read the resume point; if its bytes turn out corrupt (possible with
     ``resume_verify="cheap"``, which checks sizes only), fall back to the
     newest older complete save that reads back intact, register an attempt
     that resumes from it (so the corrupt save leaves the run's history) and
-    record why. Nothing has been applied when this returns."""
+    record why. Nothing has been applied when this returns. ``objects``: the
+    live objects the state is for; each component's claimed size is bounded
+    by what they can hold before it is allocated (a larger claim is corrupt)."""
+    limits = component_bounds(objects) if objects is not None else None
     try:
-        return read_save(store, ref), ref
+        return read_save(store, ref, limits), ref
     except CorruptionError as exc:
         failures = [f"step {ref.step} ({ref.save_id}): {exc}"]
     candidates = [
@@ -394,7 +400,7 @@ def read_with_fallback(store: CheckpointStore, ref: SaveRef) -> tuple[SavedState
     ]
     for cand in candidates:
         try:
-            saved = read_save(store, cand)
+            saved = read_save(store, cand, limits)
         except CorruptionError as exc:
             failures.append(f"step {cand.step} ({cand.save_id}): {exc}")
             continue

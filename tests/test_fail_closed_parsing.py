@@ -592,3 +592,24 @@ def test_dcp_stream_transforms_are_known_and_bounded_by_the_declared_size(
     assert peak < 64 << 20, peak
     back = _dcp_load(store, 1, registry)
     assert all(torch.equal(back[k], first[k]) for k in first)
+
+
+@pytest.mark.backends("local")
+def test_the_cli_reports_a_huge_claim_and_keeps_the_last_good_save(
+    backend_factory: Callable[[], Backend], capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ckptstore.backends.local import LocalBackend
+    from ckptstore.cli import main as cli_main
+
+    b = backend_factory()
+    assert isinstance(b, LocalBackend)
+    store = CheckpointStore.open(b, "run", identity=IDENT)
+    _save(store, 1, b"good weights")
+    _forge_sizes(b, _save(store, 2, b"x" * 100), {"model": TIB})
+    capsys.readouterr()
+    assert cli_main(["verify", b.root, "run", "--step", "2"]) == 1
+    out = capsys.readouterr()
+    assert "1099511627776" in out.out + out.err and "Traceback" not in out.err
+    assert cli_main(["latest", b.root, "run", "--deep", "--json"]) == 0
+    assert '"step": 1' in capsys.readouterr().out
+    assert cli_main(["ls", b.root, "run"]) == 0

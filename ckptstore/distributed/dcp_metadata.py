@@ -220,6 +220,8 @@ def check_tiling(fqn: str, size: tuple[int, ...], chunks: list[tuple[tuple[int, 
     if sum(_numel(sz) for _, sz in live) != _numel(size):
         raise _Bad(path, f"cover {sum(_numel(sz) for _, sz in live)} of the tensor's {_numel(size)} elements "
                          "(a gap or an overlap)")
+    if len(live) == 1:
+        return  # one chunk inside the tensor with all its elements: the whole tensor
     # the chunks' boundaries cut the tensor into cells; every cell covered exactly once
     cuts: list[list[int]] = []
     for d, full in enumerate(size):

@@ -169,6 +169,11 @@ class Catalog:
             data = fetched.pop(key)
             if data is None:
                 raise NotFoundError(f"{self.io.where(key)}: no such object")
+            if listed is not None and len(data) > listed.size:
+                raise CorruptionError(
+                    f"{self.io.where(key)}: the commit record grew since it was listed ({listed.size} bytes listed, "
+                    "found more); commit records are written once, so this one was rewritten"
+                )
         else:
             data = self.io.get_bounded(key, MAX_COMMIT_RECORD)
         rec = CommitRecord.decode(data, self.io.where(key), run_id=self.io.run_id, step=step, attempt=attempt)
@@ -279,12 +284,13 @@ class Catalog:
                 batch.append(order[i])
                 size += scan.commits[order[i]].size
                 i += 1
-            want = []
+            want, sizes = [], []
             for sa in batch:
                 info = scan.commits[sa]
                 if sa[1] in scan.attempts.records and self.records.get(info.key, (info.size, info.mtime)) is None:
                     want.append(info.key)
-            scan.fetched = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD), strict=True))
+                    sizes.append(info.size)
+            scan.fetched = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD, sizes), strict=True))
             yield from batch
         scan.fetched = {}
 

@@ -69,17 +69,26 @@ class RunIO:
         check to refuse)."""
         return self.retry.call(lambda: self.backend.get_range(key, 0, max_bytes + 1))
 
-    def get_many_bounded(self, keys: builtins.list[str], max_bytes: int) -> builtins.list[bytes | None]:
+    def get_many_bounded(
+        self, keys: builtins.list[str], max_bytes: int, listed: builtins.list[int] | None = None
+    ) -> builtins.list[bytes | None]:
         """:meth:`get_bounded` of many small objects at once (None: no such
-        object); if the batch fails transiently, one by one with retries."""
+        object); if the batch fails transiently, one by one with retries.
+        ``listed``: each key's size in the listing that named it; each is then
+        read up to that size + 1 (still at most ``max_bytes + 1``), so a batch
+        of records that grew since the listing costs their listed sizes, not
+        the cap each (a longer object comes back one byte longer than listed)."""
+        limits = [max_bytes] * len(keys) if listed is None else [min(max_bytes, max(0, n)) for n in listed]
+        if len(limits) != len(keys):
+            raise ValueError(f"get_many_bounded: {len(limits)} sizes for {len(keys)} keys")
         try:
-            return self.backend.get_many(keys, max_bytes + 1)
+            return self.backend.get_many(keys, [m + 1 for m in limits])
         except TransientError:
             pass
         out: builtins.list[bytes | None] = []
-        for k in keys:
+        for k, m in zip(keys, limits, strict=True):
             try:
-                out.append(self.get_bounded(k, max_bytes))
+                out.append(self.get_bounded(k, m))
             except NotFoundError:
                 out.append(None)
         return out
@@ -147,7 +156,10 @@ class RunIO:
     # ---------------------------------------------------------------- reads
     def iter_object(self, key: str, size: int, chunk: int = CHUNK) -> Iterator[bytes]:
         """The object in chunks, never reading more than ``size + 1`` bytes in
-        all (the extra byte, when present, tells the caller the object grew)."""
+        all (the extra byte, when present, tells the caller the object grew).
+        A short block ends the iteration: the object ended before ``size``
+        (the caller's size check reports it), so a huge size claim costs one
+        request past the real end, not one per chunk of the claim."""
         if size < chunk:
             data = self.get_bounded(key, size)
             self.bytes_read += len(data)
@@ -159,6 +171,8 @@ class RunIO:
             data = self.retry.call(partial(self.backend.get_range, key, off, stop))
             self.bytes_read += len(data)
             yield data
+            if len(data) < end - off:
+                return
 
     def hash_object(self, key: str, size: int) -> tuple[int, str]:
         """(bytes seen, BLAKE3) of the object, reading at most ``size + 1`` bytes."""
@@ -208,8 +222,8 @@ class RunIO:
         :class:`CorruptionError` the content of ``out`` is undefined."""
         if len(out) != comp.size:
             raise ValueError(f"buffer of {len(out)} bytes for a component of {comp.size}")
-        spans = [(off, min(comp.size, off + chunk)) for off in range(0, comp.size, chunk)]
-        conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, len(spans)))
+        spans = ((off, min(comp.size, off + chunk)) for off in range(0, comp.size, chunk))  # stops at a short one
+        conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, -(-comp.size // chunk)))
         hasher = BackgroundHasher()
 
         def read(span: tuple[int, int]) -> int:

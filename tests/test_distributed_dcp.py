@@ -171,7 +171,9 @@ def test_metadata_json_round_trip_and_strict_decoding() -> None:
         planner_data={"w": ("model", "w"), "o": ("opt", 0)},
         version="1.0.0",
     )
-    items = {MetadataIndex("w", [2, 0]): ItemInfo("dcp/rank00001-0.bin", 8, 8, "ab" * 32, "bfloat16", (2, 2))}
+    items = {MetadataIndex("w", [0, 0]): ItemInfo("dcp/rank00000-0.bin", 0, 8, "cd" * 32, "bfloat16", (2, 2)),
+             MetadataIndex("w", [2, 0]): ItemInfo("dcp/rank00001-0.bin", 8, 8, "ab" * 32, "bfloat16", (2, 2)),
+             MetadataIndex("o"): ItemInfo("dcp/rank00000-0.bin", 8, 5, "ef" * 32)}  # every chunk has its item
     data = encode_metadata(md, items)
     back, back_items = decode_metadata(data, "here")
     assert back.state_dict_metadata == md.state_dict_metadata

@@ -31,6 +31,9 @@ Contract (each backend's conformance tests check it):
 * ``get_many(keys, max_bytes)`` is ``get_range(key, 0, max_bytes)`` of each
   key, None where there is no such object, in one call (concurrent requests,
   one folder resolution): how ``list_saves`` and gc read many records.
+  ``max_bytes`` is one bound for all keys or one per key (a batch of records
+  is read each at its listed size + 1, so records that grew cannot cost the
+  record cap each).
 * ``delete`` of a missing key is not an error.
 * Infrastructure failures raise :class:`StoreUnavailableError`, or
   :class:`TransientError` when a retry may help.
@@ -69,6 +72,18 @@ def check_key(key: str) -> str:
 
         raise InvalidInputError(f"invalid key {str(key)[:120]!r}")
     return key
+
+
+def byte_limits(keys: Sequence[str], max_bytes: int | Sequence[int]) -> builtins.list[int]:
+    """The bound of each key of a ``get_many`` call (one for all, or one per key)."""
+    if isinstance(max_bytes, int):
+        return [max_bytes] * len(keys)
+    limits = [int(m) for m in max_bytes]
+    if len(limits) != len(keys):
+        from ..errors import InvalidInputError
+
+        raise InvalidInputError(f"get_many: {len(limits)} bounds for {len(keys)} keys")
+    return limits
 
 
 @dataclass(frozen=True)
@@ -123,17 +138,18 @@ class Backend(abc.ABC):
         keys = [o.key for o in self.list(prefix) if o.key > start_after]
         return keys if limit is None else keys[: max(0, limit)]
 
-    def get_many(self, keys: Sequence[str], max_bytes: int) -> builtins.list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int | Sequence[int]) -> builtins.list[bytes | None]:
         """The first ``max_bytes`` bytes of each of many small objects (None
-        where there is no such object), in the order of ``keys``. Object stores
+        where there is no such object), in the order of ``keys``; ``max_bytes``
+        is one bound or one per key (:func:`byte_limits`). Object stores
         send the reads concurrently, the local disk resolves each folder once;
         this default reads them one by one. Any other failure raises."""
         from ..errors import NotFoundError
 
         out: builtins.list[bytes | None] = []
-        for k in keys:
+        for k, limit in zip(keys, byte_limits(keys, max_bytes), strict=True):
             try:
-                out.append(self.get_range(k, 0, max_bytes))
+                out.append(self.get_range(k, 0, limit))
             except NotFoundError:
                 out.append(None)
         return out

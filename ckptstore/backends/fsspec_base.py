@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from ..errors import TransientError as TransientError
 from ..redact import redact_text, redact_url
-from .base import Backend, Buffer, Capabilities, ObjectInfo, check_key
+from .base import Backend, Buffer, Capabilities, ObjectInfo, byte_limits, check_key
 
 _TRANSIENT_NAMES = (
     "ConnectionError",
@@ -163,17 +163,19 @@ class FsspecBackend(Backend):
             raise
         return data[: end - start]
 
-    def get_many(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:
-        """Ranged reads sent concurrently (fsspec ``cat_ranges``, in batches)."""
+    def get_many(self, keys: Sequence[str], max_bytes: int | Sequence[int]) -> list[bytes | None]:
+        """Ranged reads sent concurrently (fsspec ``cat_ranges``, in batches),
+        each bounded by its own limit."""
         if not keys:
             return []
+        limits = byte_limits(keys, max_bytes)
         try:
-            got = self.fs.cat_ranges([self._path(k) for k in keys], 0, max_bytes, on_error="return")
+            got = self.fs.cat_ranges([self._path(k) for k in keys], [0] * len(keys), limits, on_error="return")
         except Exception as exc:  # noqa: BLE001
             self._raise(exc, "read", keys[0])
             raise
         out: list[bytes | None] = []
-        for k, r in zip(keys, got, strict=True):
+        for k, limit, r in zip(keys, limits, got, strict=True):
             if isinstance(r, BaseException):
                 if isinstance(r, FileNotFoundError) or status_of(r) == 404 and error_code(r) != "NoSuchBucket":
                     out.append(None)
@@ -182,7 +184,7 @@ class FsspecBackend(Backend):
                     out.append(b"")  # an empty object
                     continue
                 self._raise(r, "read", k)
-            out.append(bytes(r)[:max_bytes])
+            out.append(bytes(r)[:limit])
         return out
 
     def put(self, key: str, chunks: Iterable[Buffer]) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from ..protocol.layout import RESERVED_MARK as TMP_MARK
-from .base import Backend, Buffer, Capabilities, ObjectInfo, check_key
+from .base import Backend, Buffer, Capabilities, ObjectInfo, byte_limits, check_key
 from .posix import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, NotAnObjectError, NotFollowedError, PosixOps
 
 __all__ = ["LocalBackend", "NotAnObjectError", "NotFollowedError", "PosixOps", "backend_from_url"]
@@ -212,8 +212,9 @@ class LocalBackend(Backend):
         keys.sort()
         return keys if limit is None else keys[: max(0, limit)]
 
-    def get_many(self, keys: Sequence[str], max_bytes: int) -> builtins.list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int | Sequence[int]) -> builtins.list[bytes | None]:
         """Each folder resolved once (no link followed), its files read relative to it."""
+        limits = byte_limits(keys, max_bytes)
         groups: dict[str, builtins.list[int]] = {}
         for i, k in enumerate(keys):
             groups.setdefault(os.path.dirname(self._path(k)), []).append(i)
@@ -221,7 +222,7 @@ class LocalBackend(Backend):
         for directory, idx in groups.items():
             names = [keys[i].rsplit("/", 1)[-1] for i in idx]
             try:
-                got = self.ops.read_many(directory, names, max_bytes)
+                got = self.ops.read_many(directory, names, [limits[i] for i in idx])
             except (NotFollowedError, NotAnObjectError):
                 continue  # a link or a non-directory in the way: not objects
             except OSError as exc:

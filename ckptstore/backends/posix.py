@@ -204,13 +204,16 @@ class PosixOps:
         finally:
             os.close(fd)
 
-    def read_many(self, directory: str, names: Sequence[str], limit: int) -> list[bytes | None]:
-        """The first ``limit`` bytes of each regular file ``names`` in
-        ``directory`` (None: missing, or not a regular file), the directory
-        resolved once (no link followed) and each file opened relative to it
-        with the checks of :meth:`read`."""
+    def read_many(self, directory: str, names: Sequence[str], limit: int | Sequence[int]) -> list[bytes | None]:
+        """The first ``limit`` bytes (one bound, or one per name) of each
+        regular file ``names`` in ``directory`` (None: missing, or not a
+        regular file), the directory resolved once (no link followed) and
+        each file opened relative to it with the checks of :meth:`read`."""
+        limits = [limit] * len(names) if isinstance(limit, int) else list(limit)
+        if len(limits) != len(names):
+            raise ValueError(f"read_many: {len(limits)} bounds for {len(names)} names")
         if type(self).read is not PosixOps.read or self._below(directory) is None:
-            return [self._read_or_none(os.path.join(directory, n), limit) for n in names]
+            return [self._read_or_none(os.path.join(directory, n), m) for n, m in zip(names, limits, strict=True)]
         parts = self._below(directory)
         assert parts is not None
         try:
@@ -218,7 +221,7 @@ class PosixOps:
         except (FileNotFoundError, NotADirectoryError):
             return [None] * len(names)
         try:
-            return [self._read_at(d, n, limit) for n in names]
+            return [self._read_at(d, n, m) for n, m in zip(names, limits, strict=True)]
         finally:
             os.close(d)
 

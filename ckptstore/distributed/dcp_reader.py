@@ -22,7 +22,10 @@ from ..protocol.selection import SaveRef
 from ..store import CheckpointStore
 from .coordinator import DistributedRun
 from .dcp import METADATA_COMPONENT, PickleRefusedError, StoreWriter, _ref_json, _step_of, _store_of
-from .dcp_metadata import ItemInfo, StorageData, decode_metadata, dtype_from_name
+from .dcp_metadata import MAX_METADATA_BYTES, ItemInfo, StorageData, decode_metadata, dtype_from_name
+
+#: the most bytes a BYTE_IO item (a pickled object) may decompress to
+MAX_BYTES_ITEM = 256 << 20
 
 
 class StoreReader(StorageReader):
@@ -87,11 +90,40 @@ class StoreReader(StorageReader):
         ref = self._resolve()
         if METADATA_COMPONENT not in ref.components:
             raise NotFoundError(f"save {ref.save_id} (step {ref.step}) was not written by the DCP StoreWriter")
-        md, items = decode_metadata(self.store.read(ref, METADATA_COMPONENT), f"{ref.save_id}/{METADATA_COMPONENT}")
+        where = f"{ref.save_id}/{METADATA_COMPONENT}"
+        claimed = ref.components[METADATA_COMPONENT].size
+        if claimed > MAX_METADATA_BYTES:
+            raise CorruptionError(f"{where}: the commit claims {claimed} bytes of DCP metadata, more than the "
+                                  f"{MAX_METADATA_BYTES} this reader accepts")
+        md, items = decode_metadata(self.store.read(ref, METADATA_COMPONENT), where)
+        self._check_items(ref, items, where)
         md.storage_data = StorageData(items, _ref_json(ref))
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         return md
+
+    def _check_items(self, ref: SaveRef, items: dict[MetadataIndex, ItemInfo], where: str) -> None:
+        """Every item lies inside a component of this save and names only
+        transforms this reader knows (refused before any data is read)."""
+        known: set[tuple[str, ...]] = set()
+        for idx, info in items.items():
+            at = f"{where}: DCP metadata field items[{idx.fqn!r}, offset {list(idx.offset or []) or None}]"
+            comp = ref.components.get(info.component)
+            if comp is None:
+                raise CorruptionError(f"{at}.component names {info.component[:120]!r}, which the save does not have")
+            if info.offset + info.length > comp.size:
+                raise CorruptionError(f"{at}: bytes [{info.offset}, {info.offset + info.length}) lie outside "
+                                      f"{info.component!r} ({comp.size} bytes)")
+            if info.transforms and info.transforms not in known:
+                try:
+                    self.transforms.extension_registry.from_descriptor_list(info.transforms)
+                except Exception as exc:  # noqa: BLE001 - an extension's own refusal, whatever its type
+                    raise CorruptionError(
+                        f"{at}.transforms: {list(info.transforms)!r} cannot be undone by this reader "
+                        f"({type(exc).__name__}: {str(exc)[:160]}); register the extension with "
+                        "_extension_registry= if it is genuine"
+                    ) from None
+                known.add(info.transforms)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         sd = metadata.storage_data
@@ -156,18 +188,40 @@ class StoreReader(StorageReader):
             groups.append([(info, req)])
         return groups
 
+    def _untransform(self, info: ItemInfo, req: ReadItem, raw: memoryview, limit: int) -> bytes:
+        """The item's bytes with its stream transforms undone, reading at most
+        ``limit + 1`` of them: a stream that decompresses past its declared
+        size is refused, never inflated."""
+        fqn = req.storage_index.fqn
+        try:
+            stream = self.transforms.transform_load_stream(req, info.transforms, io.BytesIO(bytes(raw)))
+            out = bytearray()
+            while len(out) <= limit:
+                block = stream.read(min(1 << 20, limit + 1 - len(out)))
+                if not block:
+                    break
+                out += block
+        except Exception as exc:  # noqa: BLE001 - a damaged stream fails however its decoder says so
+            raise CorruptionError(f"item {fqn!r}: its stream transforms {list(info.transforms)!r} fail on the "
+                                  f"stored bytes ({type(exc).__name__}: {str(exc)[:160]})") from None
+        if len(out) > limit:
+            raise CorruptionError(f"item {fqn!r}: its transformed stream {list(info.transforms)!r} holds more than "
+                                  f"the {limit} bytes its metadata declares")
+        return bytes(out)
+
     def _load_item(self, info: ItemInfo, req: ReadItem, raw: memoryview, planner: LoadPlanner) -> None:
         data: bytes | memoryview = raw
-        if info.transforms:
-            stream = self.transforms.transform_load_stream(req, info.transforms, io.BytesIO(bytes(raw)))
-            data = stream.read(-1)
         if req.type == LoadItemType.BYTE_IO:
+            if info.dtype is not None:
+                raise CorruptionError(f"item {req.storage_index.fqn!r}: a tensor item read as bytes")
             if not self.allow_pickle:
                 raise PickleRefusedError(
                     f"item {req.storage_index.fqn!r} is a pickled Python object (DCP stores non-tensor values with "
                     "torch.save); unpickling runs arbitrary code. Pass allow_pickle=True to StoreReader only for "
                     "checkpoints you trust, or keep non-tensor state out of the DCP state dict"
                 )
+            if info.transforms:
+                data = self._untransform(info, req, raw, MAX_BYTES_ITEM)
             planner.load_bytes(req, io.BytesIO(bytes(data)))
             return
         if info.dtype is None or info.shape is None:
@@ -176,6 +230,8 @@ class StoreReader(StorageReader):
         n = 1
         for s in info.shape:
             n *= s
+        if info.transforms:
+            data = self._untransform(info, req, raw, n * dtype.itemsize)
         if n * dtype.itemsize != len(data):
             raise CorruptionError(f"item {req.storage_index.fqn!r}: {len(data)} bytes for shape {info.shape}")
         if n == 0:

@@ -232,3 +232,6 @@ class BackendConformance:
         assert backend.get_many(keys, 100) == [b"alpha", None, b"b" * 100, b"", b"gamma", None, None, b"alpha"]
         assert backend.get_many(["gm/sub/b"], 6000) == [b"b" * 5000]
         assert backend.get_many([], 10) == []
+        # one bound per key (a batch of records, each read up to its listed size + 1)
+        assert backend.get_many(["gm/a", "gm/sub/b", "gm/missing", "other/c"], [2, 7, 3, 100]) == [
+            b"al", b"b" * 7, None, b"gamma"]

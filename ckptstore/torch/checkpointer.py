@@ -234,7 +234,7 @@ class Checkpointer:
             if problem:
                 raise InvalidInputError(problem)
         # checked before anything is loaded (on many ranks: on every rank, one outcome for all)
-        saved, ref = read_with_fallback(self.store, ref, lambda st, r: check_fit(self.objects, st, r))
+        saved, ref = read_with_fallback(self.store, ref, lambda st, r: check_fit(self.objects, st, r), self.objects)
         diffs = config_diffs(self.objects, saved.trees)
         if diffs and choice == "refuse":
             raise CheckpointMismatchError(summarize(

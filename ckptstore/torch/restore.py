@@ -25,6 +25,7 @@ from .. import (
     SaveRef,
     SaveState,
 )
+from .bounds import component_bounds
 from .loaders import is_stateful_dataloader
 from .state import (
     RNG_KEY,
@@ -372,14 +373,17 @@ def restore_state(
     optimizer or scheduler is an error, not a silent fresh start). Everything
     is checked before anything is loaded. Returns every saved tree (plain
     entries such as counters included)."""
-    saved = read_save(store, ref)
+    saved = read_save(store, ref, component_bounds(objects))
     check_fit(objects, saved, ref)
     apply_state(objects, saved.trees, restore_rng_state=restore_rng_state)
     return saved.trees
 
 
 def read_with_fallback(
-    store: CheckpointStore, ref: SaveRef, check: Callable[[SavedState, SaveRef], None] | None = None
+    store: CheckpointStore,
+    ref: SaveRef,
+    check: Callable[[SavedState, SaveRef], None] | None = None,
+    objects: Mapping[str, Any] | None = None,
 ) -> tuple[SavedState, SaveRef]:
     """Read the resume point; if its bytes turn out corrupt (possible with
     ``resume_verify="cheap"``, which checks sizes only), fall back to the
@@ -394,19 +398,24 @@ def read_with_fallback(
 
     ``check(saved, ref)`` (e.g. :func:`check_fit`) is applied to the save that
     was chosen; its error is raised (never a reason to fall back), on many
-    ranks on every rank alike."""
+    ranks on every rank alike. ``objects``: the live objects the state is for;
+    each component's claimed size is bounded by what they can hold before it
+    is allocated (a larger claim is corrupt)."""
+    limits = component_bounds(objects) if objects is not None else None
     collective = getattr(store, "read_resume_point", None)
     if collective is not None:
-        return cast("tuple[SavedState, SaveRef]", collective(ref, lambda r: read_save(store, r), check))
-    saved, ref = _read_with_fallback(store, ref)
+        return cast("tuple[SavedState, SaveRef]", collective(ref, lambda r: read_save(store, r, limits), check))
+    saved, ref = _read_with_fallback(store, ref, limits)
     if check is not None:
         check(saved, ref)
     return saved, ref
 
 
-def _read_with_fallback(store: CheckpointStore, ref: SaveRef) -> tuple[SavedState, SaveRef]:
+def _read_with_fallback(
+    store: CheckpointStore, ref: SaveRef, limits: Mapping[str, int] | None
+) -> tuple[SavedState, SaveRef]:
     try:
-        return read_save(store, ref), ref
+        return read_save(store, ref, limits), ref
     except CorruptionError as exc:
         failures = [f"step {ref.step} ({ref.save_id}): {exc}"]
     candidates = [
@@ -415,7 +424,7 @@ def _read_with_fallback(store: CheckpointStore, ref: SaveRef) -> tuple[SavedStat
     ]
     for cand in candidates:
         try:
-            saved = read_save(store, cand)
+            saved = read_save(store, cand, limits)
         except CorruptionError as exc:
             failures.append(f"step {cand.step} ({cand.save_id}): {exc}")
             continue

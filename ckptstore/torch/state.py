@@ -350,9 +350,12 @@ class SavedState:
     objects: dict[str, Any]
 
 
-def read_save(store: CheckpointStore, ref: SaveRef) -> SavedState:
+def read_save(store: CheckpointStore, ref: SaveRef, limits: Mapping[str, int] | None = None) -> SavedState:
     """Read and decode a save; every byte verified while reading, every record
-    field checked. Hostile or damaged content is a :class:`CorruptionError`."""
+    field checked. Hostile or damaged content is a :class:`CorruptionError`.
+    ``limits``: the most bytes each entry's tensor component may claim
+    (:func:`~.bounds.component_bounds` of the live objects), checked before
+    anything is allocated."""
     try:
         doc = tree_from_json(store.read(ref, STATE_COMPONENT))
     except NotFoundError:
@@ -372,7 +375,7 @@ def read_save(store: CheckpointStore, ref: SaveRef) -> SavedState:
     for name, comp in comps.items():
         if name not in trees or comp != f"{name}.safetensors":
             raise CorruptionError(f"{where}: tensor component {comp!r} of entry {name!r} is not a valid reference")
-    tensors = read_tensors(store, ref, {name: comps[name] for name in trees if comps.get(name)})
+    tensors = read_tensors(store, ref, {name: comps[name] for name in trees if comps.get(name)}, limits)
     out = {name: unflatten(tree, tensors.get(name, {})) for name, tree in trees.items()}
     return SavedState(out, objs)
 

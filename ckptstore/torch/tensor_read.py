@@ -7,6 +7,12 @@ parsed without a copy (:func:`tensors_from_buffer`). Components are read
 concurrently. Nothing is returned unless every component verified, so a
 caller that applies the tensors only after this returns never applies a
 corrupt byte.
+
+The size allocated is the commit record's claim, which is storage input: it
+is checked against the caller's bound for the entry first (what the live
+objects can hold, :mod:`.bounds`), and an allocation that fails anyway
+(``MemoryError``, torch's allocator ``RuntimeError``) is a
+:class:`CorruptionError` of the save, so a restore falls back to an older one.
 """
 
 from __future__ import annotations
@@ -24,21 +30,50 @@ from .safetensors_io import tensors_from_buffer
 MAX_PARALLEL = 4
 
 
-def _read_one(store: CheckpointStore, ref: SaveRef, comp: str) -> dict[str, torch.Tensor]:
-    buf = torch.empty(store.component(ref, comp).size, dtype=torch.uint8)
+def _allocate(ref: SaveRef, comp: str, size: int, limit: int | None, entry: str) -> torch.Tensor:
+    """The read buffer of a component whose size the commit record claims."""
+    where = f"save {ref.save_id} (step {ref.step}): component {comp!r}"
+    if limit is not None and size > limit:
+        raise CorruptionError(
+            f"{where} claims {size} bytes, more than the live {entry!r} can hold ({limit} bytes with the "
+            "safetensors header cap): the save is damaged or forged, or was made for a larger object "
+            "(restore it into an object of that size)"
+        )
+    try:
+        return torch.empty(size, dtype=torch.uint8)
+    except (MemoryError, RuntimeError) as exc:
+        msg = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+        raise CorruptionError(
+            f"{where} claims {size} bytes, which cannot be allocated ({msg}): treating the save as damaged"
+        ) from None
+
+
+def _read_one(store: CheckpointStore, ref: SaveRef, comp: str, limit: int | None, entry: str) -> dict[str, torch.Tensor]:
+    buf = _allocate(ref, comp, store.component(ref, comp).size, limit, entry)
     store.read_into(ref, comp, buf.numpy())
     return tensors_from_buffer(buf)
 
 
-def read_tensors(store: CheckpointStore, ref: SaveRef, components: Mapping[str, str]) -> dict[str, dict[str, torch.Tensor]]:
+def read_tensors(
+    store: CheckpointStore, ref: SaveRef, components: Mapping[str, str], limits: Mapping[str, int] | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
     """``{entry: {tensor key: tensor}}`` for ``{entry: component name}``,
-    every byte verified before anything is returned."""
+    every byte verified before anything is returned. ``limits``: the most
+    bytes each entry's component may claim (entries not named: no bound but
+    the allocation's own); a larger claim is a :class:`CorruptionError`
+    raised before anything is allocated or read."""
     for name, comp in components.items():
         if not isinstance(comp, str):
             raise CorruptionError(f"save {ref.save_id}: entry {name!r} names a component that is not a string")
+    bound = dict(limits or {})
     items = sorted(components.items(), key=lambda kv: str(kv[1]))
     if len(items) <= 1:
-        return {name: _read_one(store, ref, comp) for name, comp in items}
+        return {name: _read_one(store, ref, comp, bound.get(name), name) for name, comp in items}
+    for name, comp in items:  # every claim checked before any buffer is allocated
+        if name in bound:
+            size = store.component(ref, comp).size
+            if size > bound[name]:
+                _allocate(ref, comp, size, bound[name], name)
     with ThreadPoolExecutor(min(MAX_PARALLEL, len(items)), thread_name_prefix="ckptstore-read") as pool:
-        futures = {name: pool.submit(_read_one, store, ref, comp) for name, comp in items}
+        futures = {name: pool.submit(_read_one, store, ref, comp, bound.get(name), name) for name, comp in items}
         return {name: fut.result() for name, fut in futures.items()}

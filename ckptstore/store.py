@@ -189,6 +189,11 @@ class CheckpointStore:
         )
 
     @property
+    def auth(self) -> RecordAuth:
+        """This store's authentication policy and keys (plug-ins tag and check their own files with them)."""
+        return self._auth
+
+    @property
     def run_record(self) -> dict[str, Any]:
         rec = read_run_record(self._io, self._auth)
         return {

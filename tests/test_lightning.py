@@ -338,13 +338,16 @@ def test_load_module_builds_the_module_from_a_pointer(tmp_path: Path) -> None:
     model = WithHparams(note="hello", scale=2.5)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     _trainer(tmp_path, _io(tmp_path), [ckpt], max_epochs=1).fit(model)
-    got = load_module(WithHparams, tmp_path / "ckpts" / "last.ckpt")
+    last = tmp_path / "ckpts" / "last.ckpt"
+    got = load_module(WithHparams, last, url=str(tmp_path / "store"), run_id="run")
     assert isinstance(got, WithHparams) and got.hparams["note"] == "hello" and got.hparams["scale"] == 2.5
     assert all(torch.equal(got.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert load_module(WithHparams, tmp_path / "ckpts" / "last.ckpt", note="override").hparams["note"] == "override"
+    assert load_module(WithHparams, last, allow_other_stores=True, note="override").hparams["note"] == "override"
+    with pytest.raises(CorruptionError, match="refusing to read another store .* allow_other_stores=True"):
+        load_module(WithHparams, last)  # a pointer names its store: which one to trust is the caller's to say
 
-    reader = StoreCheckpointIO()  # no store: loads only
-    assert reader.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 3
+    reader = StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run")  # no identity: loads only
+    assert reader.load_checkpoint(last)["global_step"] == 3
     with pytest.raises(InvalidInputError, match="for loading only"):
         reader.save_checkpoint({"global_step": 9}, tmp_path / "x.ckpt")
 

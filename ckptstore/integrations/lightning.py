@@ -115,6 +115,7 @@ from .lightning_files import (
     read_detached,
     read_pointer,
     remove_own_file,
+    url_scheme,
     write_pointer_for_latest,
 )
 
@@ -244,11 +245,19 @@ class StoreCheckpointIO(CheckpointIO):
                 )
             return self._store
 
+    def _options_for(self, url: str) -> dict[str, Any] | None:
+        """The plug-in's storage options, for URLs of its own store's scheme only (pointer files
+        beside the store, another store when allowed)."""
+        own = self._url if self._url is not None else self._store.backend.url if self._store is not None else None
+        if not self.storage_options or own is None or url_scheme(url) != url_scheme(own):
+            return None
+        return self.storage_options
+
     def _open_reader(self, url: str, run_id: str) -> CheckpointStore:
         key = (url, run_id)
         if key not in self._readers:
             self._readers[key] = CheckpointStore.open(
-                url, run_id, mode="r", storage_options=self.storage_options or None,
+                url, run_id, mode="r", storage_options=self._options_for(url),
                 auth_policy=self.auth.policy, keyring=self.auth.keyring,
             )
         return self._readers[key]
@@ -294,14 +303,14 @@ class StoreCheckpointIO(CheckpointIO):
         if pub is None or pub.ref.attempt != (store.attempt.number if store.attempt else None):
             pub = self._publish(store, step, parts, os.fspath(path))
         data = _pointer(pub.ref, store.backend.url, keys, self._inline(pub, parts, step), self.auth)
-        _write_atomic(path, data, self.storage_options)
+        _write_atomic(path, data, self._options_for(os.fspath(path)))
 
     def _save_detached(self, checkpoint: Mapping[str, Any], path: _PATH) -> None:
         parts = _encode(checkpoint, self.registry)  # same refusals, same messages
         tensors = {f"{i}/{k}": t for i, p in enumerate(parts.values()) for k, t in p.tensors.items()}
         doc = {"keys": list(parts), "trees": {k: p.tree for k, p in parts.items()}}
         data = detached_bytes(tree_to_json(doc), _tensor_bytes(tensors), self._detached_key)
-        _write_atomic(path, data, self.storage_options)
+        _write_atomic(path, data, self._options_for(os.fspath(path)))
 
     def _load_detached(self, f: Any, where: str, map_location: Any) -> dict[str, Any]:
         doc_bytes, tensor_bytes = read_detached(f, where, self._detached_key)
@@ -396,12 +405,12 @@ class StoreCheckpointIO(CheckpointIO):
         its auth policy does not accept is a :class:`CorruptionError`."""
         where = os.fspath(path)
         cap = pointer_cap(self.max_inline_bytes)
-        with open_checked(path, self.storage_options) as f:
+        with open_checked(path, self._options_for(os.fspath(path))) as f:
             head = f.read(len(DETACHED_MAGIC))
             if is_detached(head):
                 f.seek(0)
                 return self._load_detached(f, where, map_location)
-            raw = head + read_at_most(f, cap - len(head), where)
+            raw = read_at_most(f, cap, where, head)
         ptr = parse_pointer(raw, where, cap)
         store = self._reader(ptr, where)
         ref = self._named_save(store, ptr, where)
@@ -474,7 +483,7 @@ class StoreCheckpointIO(CheckpointIO):
         a detached file it wrote. A link, a special file, a path with ``..`` or
         any other file is kept, with a :class:`RemovalRefusedWarning`; a missing
         file is nothing to do."""
-        why = remove_own_file(path, self._mine, self.storage_options)
+        why = remove_own_file(path, self._mine, self._options_for(os.fspath(path)))
         if why is not None:
             warnings.warn(
                 f"{os.fspath(path)}: not removed: {why}; the ckptstore Lightning plug-in removes only the "
@@ -492,7 +501,7 @@ class StoreCheckpointIO(CheckpointIO):
                 f.seek(0)
                 detached_header(f, where, self._detached_key)
                 return None
-            ptr = parse_pointer(head + read_at_most(f, cap - len(head), where), where, cap)
+            ptr = parse_pointer(read_at_most(f, cap, where, head), where, cap)
             self._reader(ptr, where)
         except CkptStoreError as exc:
             return f"not a file this plug-in wrote ({str(exc).removeprefix(where + ': ')})"

@@ -155,6 +155,11 @@ def _local(path: str) -> str:
     return path.removeprefix("file://")
 
 
+def url_scheme(url: str) -> str:
+    """``s3``, ``gs``, ... of a URL; ``file`` for a local path."""
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
 def filesystem(path: str, options: Mapping[str, Any] | None = None) -> Any:
     """The fsspec filesystem of a remote path (the plug-in's storage options apply to its own scheme)."""
     return get_filesystem(path, **dict(options or {}))
@@ -232,9 +237,10 @@ def open_checked(path: _PATH, options: Mapping[str, Any] | None = None) -> Itera
         yield lf
 
 
-def read_at_most(f: BinaryIO, limit: int, where: str) -> bytes:
-    """All of ``f`` if it holds at most ``limit`` bytes, else a :class:`CorruptionError`."""
-    data = f.read(limit + 1)
+def read_at_most(f: BinaryIO, limit: int, where: str, head: bytes = b"") -> bytes:
+    """``head`` (what was read of ``f`` already) and the rest of ``f``, if that
+    is at most ``limit`` bytes in all, else a :class:`CorruptionError`."""
+    data = head + f.read(limit - len(head) + 1)
     if len(data) > limit:
         raise CorruptionError(f"{where}: more than the {limit} bytes allowed for a pointer file")
     return bytes(data)

@@ -252,6 +252,24 @@ def test_inline_state_needs_the_run_key_under_require(tmp_path: Path, store_at: 
     assert_loads_bit_for_bit(io, ckpts / "last.ckpt", expected)
 
 
+def test_a_pointer_to_an_unauthenticated_commit_of_its_own_run_is_refused_under_require(
+    tmp_path: Path, store_at: tuple[str, dict[str, Any]]
+) -> None:
+    ckpts = tmp_path / "ckpts"
+    io = plugin(store_at, auth_policy="require", keyring=KEYS)
+    expected = legit(io, ckpts)
+    # a writer without the key (auth off) commits the attacker's weights into the same run, and points to them
+    plugin(store_at).save_checkpoint({"global_step": 9, "state_dict": dict(EVIL)}, ckpts / "evil.ckpt")
+    assert read_pointer(ckpts / "evil.ckpt")["run_id"] == "run" and "auth" not in read_pointer(ckpts / "evil.ckpt")
+    before = snapshot(tmp_path)
+    for p in (io, plugin(store_at, auth_policy="require", keyring=KEYS)):
+        with pytest.raises(CorruptionError, match="evil.ckpt: the commit of step 9 attempt 2 is refused under "
+                                                  "auth_policy='require': .*no tag"):
+            p.load_checkpoint(ckpts / "evil.ckpt")
+    assert snapshot(tmp_path) == before
+    assert_loads_bit_for_bit(io, ckpts / "last.ckpt", expected)
+
+
 def test_a_pointer_naming_another_store_or_run_is_refused(tmp_path: Path, store_at: tuple[str, dict[str, Any]]) -> None:
     ckpts = tmp_path / "ckpts"
     io = plugin(store_at, auth_policy="require", keyring=KEYS)

@@ -26,32 +26,47 @@ A second checkpoint at the same ``global_step`` in the same process (the
 ``trainer.save_checkpoint`` after ``fit``) does not write the tensors again:
 each key's tensors are hashed and compared with the save's component digests;
 keys whose tensors and tree are identical are referenced, keys that differ
-(callback scores, loop counters) are carried inside the pointer, digest-checked,
-up to ``max_inline_bytes``. Different large tensors at the same step are
-refused (a store holds one save per step and attempt).
+(callback scores, loop counters) are carried inside the pointer, digest-checked
+and, with a key, tagged, up to ``max_inline_bytes``. Different large tensors at
+the same step are refused (a store holds one save per step and attempt).
 
-``remove_checkpoint`` removes only the pointer; the bytes are the store's and
-go through its gc. Loading reads the pointer, checks that the save it names
-still has the same manifest digest, and reads every component verified
-against its BLAKE3 digest.
+Loading reads the pointer (no link followed, at most
+``2 * max_inline_bytes + 1 MiB``, strict JSON: no duplicate key, no unknown
+field, every type checked), refuses one that names another store or run than
+the plug-in's unless ``allow_other_stores=True``, checks that the save it
+names still has the same manifest digest (and, under ``auth_policy`` warn or
+require, that its commit record is authenticated and inline state carries the
+run key's tag), and reads every component verified against its BLAKE3 digest.
+``remove_checkpoint`` removes only the pointer (the bytes are the store's and
+go through its gc), and only a file it proves it wrote: a pointer to its own
+run or a detached file it wrote, never through a link or a path with ``..``
+(anything else is kept, with a :class:`RemovalRefusedWarning`).
+``protocol_spec/THREATS.md`` §4.5 has the rules and their tests.
 
 Pointer file (JSON, one object)::
 
     {"format": "ckptstore.lightning-pointer/1", "store": URL, "run_id": ...,
      "step": N, "attempt": A, "save_id": ..., "manifest_digest": ...,
      "keys": [top-level keys in order], "inline": {key: {"tree": ..., "tensors": base64 safetensors | null}},
-     "inline_digest": BLAKE3 of the canonical JSON of "inline"}
+     "inline_digest": BLAKE3 of the canonical JSON of "inline",
+     "auth": {"key_id": ..., "tag": ...}}   # with a key: the record tag (kind "event") of
+                                             # BLAKE3("ckptstore/v1/lightning-pointer" 0x00 canonical JSON of the rest)
 
 A dict without an integer ``global_step`` is not a training checkpoint (Lightning's
 spawn launcher hands the trained weights to the main process this way): it is
-written at the path as one self-describing safetensors file (the JSON tree in
-its metadata), outside the store, and read back by ``load_checkpoint``.
+written at the path, outside the store, as a *detached* file: a magic line, a
+small header (size, BLAKE3 of the rest, and a keyed BLAKE3 tag under a random
+secret the plug-in makes when constructed and that travels only with its
+pickled copies to spawned workers), the JSON tree and the safetensors bytes.
+``load_checkpoint`` reads one only if that tag verifies (so only in the job
+that wrote it) and never as a training checkpoint.
 
 Multi-process: Lightning calls ``save_checkpoint`` on global rank 0 only. The
-store is opened for writing lazily, at the first save, so only that process
-registers an attempt; pass ``url``/``run_id``/``identity`` (not an open store)
-when the strategy spawns processes (the plug-in then pickles; one built on an
-open store refuses to).
+store is opened for writing lazily, at the first save, as the job's single
+writer (``single_writer=True``), so only that process registers an attempt;
+every rank loads through a store opened for reading. Pass
+``url``/``run_id``/``identity`` (not an open store) when the strategy spawns
+processes (the plug-in then pickles; one built on an open store refuses to).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ checkpoint directory would: pointers that make a resumed run delete a file
 outside the store, pointers whose inline state or named store carries
 attacker weights, detached files loaded as checkpoints, malformed pointers.
 
-Each test runs with the store on local disk and on SeaweedFS (pointer files
-on the local disk, where Lightning's ``ModelCheckpoint`` puts them), snapshots
+Each test runs with the store on local disk, SeaweedFS and fake-gcs-server
+(pointer files on the local disk, where Lightning's ``ModelCheckpoint`` puts them), snapshots
 everything outside the store before and after, checks the error or warning
 names the cause, and that the legitimate checkpoint still loads bit for bit.
 """
@@ -44,7 +44,7 @@ from ckptstore.torch.codec import flatten, safetensors_stream, tree_to_json
 from .test_hostile_local import snapshot
 from .test_lightning import LoggingModel
 
-backend_kinds = ("local", "seaweedfs")
+backend_kinds = ("local", "seaweedfs", "fakegcs")
 
 IDENT = RunIdentity(data_digest="random-64", code_digest="boring-1", world_size=1)
 KEYS = Keyring({"k1": b"\x11" * 32})

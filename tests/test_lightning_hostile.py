@@ -130,7 +130,7 @@ def test_removal_keeps_every_file_the_plugin_did_not_write(
         str(ckpts / "model.ckpt"): "not a ckptstore pointer file",
         str(ckpts / "fifo.ckpt"): "not a regular file",
         str(ckpts / "big.ckpt"): "more than the",
-        str(ckpts / "theirs.ckpt"): "refusing to read another store",
+        str(ckpts / "theirs.ckpt"): "a pointer to run 'run' at .*other, not to this plug-in's run",
         str(victim): "not a ckptstore pointer file",
     }
     if backend_kind != "local":  # any object the job's credentials reach
@@ -144,6 +144,8 @@ def test_removal_keeps_every_file_the_plugin_did_not_write(
     for path, cause in cases.items():
         with pytest.warns(RemovalRefusedWarning, match=f"{path[:20]}.*not removed: .*{cause}"):
             io.remove_checkpoint(path)
+    with pytest.warns(RemovalRefusedWarning, match="not to this plug-in's run"):
+        plugin(store_at, allow_other_stores=True).remove_checkpoint(ckpts / "theirs.ckpt")  # reads, never removes
     assert snapshot(tmp_path) == before
     if backend_kind != "local":
         fs.invalidate_cache()

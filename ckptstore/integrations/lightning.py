@@ -508,7 +508,8 @@ class StoreCheckpointIO(CheckpointIO):
             )
 
     def _mine(self, f: Any, where: str) -> str | None:
-        """None if the open file ``f`` is a pointer to this plug-in's run or a detached file it wrote."""
+        """None if the open file ``f`` is a pointer to this plug-in's own run (``allow_other_stores``
+        does not widen what it removes) or a detached file it wrote."""
         cap = pointer_cap(self.max_inline_bytes)
         try:
             head = f.read(len(DETACHED_MAGIC))
@@ -517,9 +518,12 @@ class StoreCheckpointIO(CheckpointIO):
                 detached_header(f, where, self._detached_key)
                 return None
             ptr = parse_pointer(read_at_most(f, cap, where, head), where, cap)
-            self._reader(ptr, where)
+            own = self._own()
         except CkptStoreError as exc:
             return f"not a file this plug-in wrote ({str(exc).removeprefix(where + ': ')})"
+        if own is None or (own.backend.url, own.run_id) != (ptr["store"], ptr["run_id"]):
+            return (f"not a file this plug-in wrote (a pointer to run {ptr['run_id']!r} at {ptr['store']}, "
+                    "not to this plug-in's run)")
         return None
 
 

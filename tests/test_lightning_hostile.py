@@ -353,7 +353,7 @@ def test_malformed_pointers_are_refused_with_their_cause(tmp_path: Path, store_a
         "boolstep.ckpt": (json.dumps({**doc, "attempt": True}), "mangles field attempt"),
         "dupkeys.ckpt": (json.dumps({**doc, "keys": doc["keys"] + doc["keys"][:1]}), "mangles field keys"),
         "deep.ckpt": ('{"a":' * 100 + "1" + "}" * 100, "nested deeper than"),
-        "nan.ckpt": (good.replace('"step": 4', '"step": NaN'), "NaN is not allowed"),
+        "nan.ckpt": (good.replace('"step":4', '"step":NaN'), "NaN is not allowed"),
         "digest.ckpt": (json.dumps({**doc, "inline_digest": "0" * 64}), "does not match its digest"),
         "zip.ckpt": (b"PK\x03\x04", "not a ckptstore pointer file"),
         "link.ckpt": (None, "symbolic link"),
@@ -380,3 +380,18 @@ def test_malformed_pointers_are_refused_with_their_cause(tmp_path: Path, store_a
         io.load_checkpoint(ckpts / "absent.ckpt")
     assert snapshot(tmp_path) == before
     assert_loads_bit_for_bit(io, ckpts / "last.ckpt", expected)
+
+
+def test_pointers_at_the_inline_bound_stay_under_the_read_cap(tmp_path: Path, store_at: tuple[str, dict[str, Any]]) -> None:
+    """The cap refuses only what the plug-in would never write: inline state at its bound (non-ASCII
+    names, many small values, tensors) loads."""
+    io = plugin(store_at, max_inline_bytes=1 << 14)
+    base = {"global_step": 1, "state_dict": dict(WEIGHTS), "callbacks": {}}
+    io.save_checkpoint(base, tmp_path / "a.ckpt")
+    cb = {"ü" * 40 + str(i): [i, -i, 0.5] for i in range(100)}
+    big = {**base, "callbacks": {"cb": cb, "t": torch.arange(1500, dtype=torch.int16)}}
+    io.save_checkpoint(big, tmp_path / "b.ckpt")
+    size = (tmp_path / "b.ckpt").stat().st_size
+    assert io.max_inline_bytes * 3 // 4 < size < pointer_cap(io.max_inline_bytes)
+    got = io.load_checkpoint(tmp_path / "b.ckpt")
+    assert got["callbacks"]["cb"] == cb and torch.equal(got["callbacks"]["t"], big["callbacks"]["t"])

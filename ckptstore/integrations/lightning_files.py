@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import errno
 import hmac
-import json
 import os
 import re
 import stat
@@ -346,7 +345,7 @@ def _pointer(
         tag = auth.keyring.sign(POINTER_TAG_KIND, ref.run_id, pointer_digest(doc))
         if tag is not None:
             doc["auth"] = tag.to_json()
-    return json.dumps(doc, sort_keys=True, indent=1).encode()
+    return canonical_json(doc)  # compact: its size follows the inline bound (see pointer_cap)
 
 
 # ------------------------------------------------------------------ detached hand-off files

@@ -90,7 +90,7 @@ class CheckpointStore:
         protocol_version: int | None = None,
     ) -> None:
         self.backend = backend
-        self._auth = RecordAuth(auth_policy, keyring)
+        self.auth = self._auth = RecordAuth(auth_policy, keyring)  # public: plug-ins tag their own files with it
         self._resume_deep = resume_verify == "deep"
         self.run_id = validate_run_id(run_id)
         self.mode: Literal["r", "w"] = check_open_args(mode or ("w" if identity is not None else "r"),
@@ -187,11 +187,6 @@ class CheckpointStore:
             resume_verify=resume_verify, join_attempt=join_attempt, single_writer=single_writer,
             auth_policy=auth_policy, keyring=keyring, protocol_version=protocol_version,
         )
-
-    @property
-    def auth(self) -> RecordAuth:
-        """This store's authentication policy and keys (plug-ins tag and check their own files with them)."""
-        return self._auth
 
     @property
     def run_record(self) -> dict[str, Any]:

@@ -37,7 +37,8 @@ from ckptstore.integrations.lightning import (
     StoreCheckpointIO,
     read_pointer,
 )
-from ckptstore.integrations.lightning_files import DETACHED_MAGIC, pointer_cap
+from ckptstore.integrations.lightning_files import DETACHED_MAGIC
+from ckptstore.integrations.lightning_trust import pointer_cap
 from ckptstore.protocol.auth import Keyring
 from ckptstore.torch.codec import flatten, safetensors_stream, tree_to_json
 

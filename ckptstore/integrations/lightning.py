@@ -74,30 +74,24 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from base64 import b64encode
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-from ..authn import RecordAuth, UnauthenticatedWarning
+from ..authn import RecordAuth
 from ..errors import (
     CkptStoreError,
-    CommitConflictError,
     CorruptionError,
     InvalidInputError,
-    NotFoundError,
 )
 from ..identity import RunIdentity
 from ..protocol.auth import AuthPolicy, Keyring
-from ..protocol.selection import SkipReason
-from ..store import CheckpointStore, SaveRef
+from ..store import CheckpointStore
 from ..torch.codec import (
     TypeRegistry,
     load_safetensors,
-    safetensors_stream,
     tree_from_json,
     tree_to_json,
     unflatten,
@@ -109,29 +103,32 @@ from .lightning_files import (
     DOC_COMPONENT,
     FORMAT,
     POINTER_FORMAT,
-    RemovalRefusedWarning,
-    _canonical,
-    _digest,
+    Published,
     _encode,
-    _map,
-    _Part,
     _pointer,
     _tensor_bytes,
     _write_atomic,
     detached_bytes,
+    inline_state,
+    map_tensors,
+    publish,
+    url_scheme,
+    write_pointer_for_latest,
+)
+from .lightning_trust import (
+    RemovalRefusedWarning,
+    check_inline,
     detached_header,
     inline_tensor_bytes,
     is_detached,
+    load_detached,
+    named_save,
     open_checked,
     parse_pointer,
-    pointer_auth_problem,
     pointer_cap,
     read_at_most,
-    read_detached,
     read_pointer,
     remove_own_file,
-    url_scheme,
-    write_pointer_for_latest,
 )
 
 __all__ = [
@@ -148,13 +145,6 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ the plug-in
-
-
-@dataclass
-class _Published:
-    ref: SaveRef
-    trees: dict[str, bytes]  # key -> canonical JSON of its tree
-    digests: dict[str, str | None]  # key -> tensor component digest
 
 
 class StoreCheckpointIO(CheckpointIO):
@@ -223,7 +213,7 @@ class StoreCheckpointIO(CheckpointIO):
         #: authenticates the detached hand-off files of this plug-in and its spawned copies (never stored)
         self._detached_key = os.urandom(32)
         self._lock = threading.Lock()
-        self._published: dict[int, _Published] = {}
+        self._published: dict[int, Published] = {}
         self._readers: dict[tuple[str, str], CheckpointStore] = {}
 
     # ------------------------------------------------------------------ pickling (ddp_spawn sends plug-ins to workers)
@@ -316,8 +306,12 @@ class StoreCheckpointIO(CheckpointIO):
         with self._lock:
             pub = self._published.get(step)
         if pub is None or pub.ref.attempt != (store.attempt.number if store.attempt else None):
-            pub = self._publish(store, step, parts, os.fspath(path))
-        data = _pointer(pub.ref, store.backend.url, keys, self._inline(pub, parts, step), self.auth)
+            pub = publish(store, step, parts, os.fspath(path))
+            with self._lock:
+                self._published[step] = pub
+                for old in sorted(self._published)[:-8]:  # a step is revisited only right after its save
+                    del self._published[old]
+        data = _pointer(pub.ref, store.backend.url, keys, inline_state(pub, parts, step, self.max_inline_bytes), self.auth)
         _write_atomic(path, data, self._options_for(os.fspath(path)))
 
     def _save_detached(self, checkpoint: Mapping[str, Any], path: _PATH) -> None:
@@ -327,87 +321,6 @@ class StoreCheckpointIO(CheckpointIO):
         data = detached_bytes(tree_to_json(doc), _tensor_bytes(tensors), self._detached_key)
         _write_atomic(path, data, self._options_for(os.fspath(path)))
 
-    def _load_detached(self, f: Any, where: str, map_location: Any) -> dict[str, Any]:
-        doc_bytes, tensor_bytes = read_detached(f, where, self._detached_key)
-        doc = tree_from_json(doc_bytes)
-        tensors = _map(load_safetensors(tensor_bytes) if tensor_bytes else {}, map_location)
-        out: dict[str, Any] = {}
-        for i, key in enumerate(doc["keys"]):
-            mine = {k.split("/", 1)[1]: t for k, t in tensors.items() if k.split("/", 1)[0] == str(i)}
-            out[key] = unflatten(doc["trees"][key], mine, registry=self.registry)
-        step = out.get("global_step")
-        if isinstance(step, int) and not isinstance(step, bool):
-            raise CorruptionError(f"{where}: a detached file with a global_step is not a training checkpoint")
-        return out
-
-    def _publish(self, store: CheckpointStore, step: int, parts: dict[str, _Part], path: str) -> _Published:
-        doc = {
-            "format": FORMAT,
-            "keys": list(parts),
-            "trees": {k: p.tree for k, p in parts.items()},
-            "tensor_components": {k: p.component for k, p in parts.items() if p.component},
-        }
-        try:
-            doc_bytes = tree_to_json(doc)
-        except (TypeError, ValueError) as exc:
-            raise InvalidInputError(f"checkpoint cannot be encoded as JSON: {exc}") from None
-        comps = {p.component: p for p in parts.values() if p.component}
-        metadata: dict[str, Any] = {"format": FORMAT, "first_path": os.path.basename(path)}
-        if isinstance(parts.get("epoch"), _Part) and isinstance(parts["epoch"].tree, int):
-            metadata["epoch"] = parts["epoch"].tree
-        try:
-            with store.save(step, metadata=metadata, expect=[DOC_COMPONENT, *comps]) as s:
-                for name, p in sorted(comps.items()):
-                    _size, chunks = safetensors_stream(p.tensors)
-                    p.digest = s.put(name, chunks).blake3
-                s.put(DOC_COMPONENT, doc_bytes)
-            assert s.ref is not None
-            ref = s.ref
-            pub = _Published(
-                ref,
-                {k: _canonical(p.tree) for k, p in parts.items()},
-                {k: p.digest for k, p in parts.items()},
-            )
-        except CommitConflictError:
-            # another writer of this attempt (another plug-in instance) committed this step first
-            assert store.attempt is not None
-            ref = store.get_save(step, store.attempt.number)
-            pub = self._load_published(store, ref)
-        with self._lock:
-            self._published[step] = pub
-            for old in sorted(self._published)[:-8]:  # a step is revisited only right after its save
-                del self._published[old]
-        return pub
-
-    def _load_published(self, store: CheckpointStore, ref: SaveRef) -> _Published:
-        doc = tree_from_json(store.read(ref, DOC_COMPONENT))
-        comps: dict[str, str] = doc["tensor_components"]
-        return _Published(
-            ref,
-            {k: _canonical(t) for k, t in doc["trees"].items()},
-            {k: (ref.components[comps[k]].blake3 if k in comps else None) for k in doc["trees"]},
-        )
-
-    def _inline(self, pub: _Published, parts: dict[str, _Part], step: int) -> dict[str, Any]:
-        """Keys whose content differs from the published save, carried in the pointer."""
-        inline: dict[str, Any] = {}
-        total = 0
-        for key, p in parts.items():
-            tree = _canonical(p.tree)
-            if pub.trees.get(key) == tree and pub.digests.get(key, "absent") == _digest(p):
-                continue  # identical: referenced from the save
-            total += len(tree) + p.size
-            if total > self.max_inline_bytes:
-                raise InvalidInputError(
-                    f"step {step} was already saved in this attempt with different content under "
-                    f"{key!r} ({p.size} bytes of tensors); a store holds one save per step and attempt — "
-                    "save different weights at a different global_step"
-                )
-            inline[key] = {
-                "tree": p.tree,
-                "tensors": b64encode(_tensor_bytes(p.tensors)).decode() if p.tensors else None,
-            }
-        return inline
 
     # ------------------------------------------------------------------ load
     def load_checkpoint(
@@ -424,13 +337,13 @@ class StoreCheckpointIO(CheckpointIO):
             head = f.read(len(DETACHED_MAGIC))
             if is_detached(head):
                 f.seek(0)
-                return self._load_detached(f, where, map_location)
+                return load_detached(f, where, self._detached_key, self.registry, map_location)
             raw = read_at_most(f, cap, where, head)
         ptr = parse_pointer(raw, where, cap)
         store = self._reader(ptr, where)
-        ref = self._named_save(store, ptr, where)
+        ref = named_save(store, ptr, where, self.auth)
         if ptr["inline"]:
-            self._check_inline(ptr, where)
+            check_inline(self.auth, ptr, where)
         doc = tree_from_json(store.read(ref, DOC_COMPONENT))
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             fmt = doc.get("format") if isinstance(doc, dict) else None
@@ -448,48 +361,10 @@ class StoreCheckpointIO(CheckpointIO):
                 comp = doc["tensor_components"].get(key)
                 tensors = read_tensors(store, ref, {key: comp}).get(key, {}) if comp else {}
                 tree = doc["trees"][key]
-            tensors = _map(tensors, map_location)
+            tensors = map_tensors(tensors, map_location)
             out[key] = unflatten(tree, tensors, registry=self.registry)
         return out
 
-    def _named_save(self, store: CheckpointStore, ptr: Mapping[str, Any], where: str) -> SaveRef:
-        """The commit the pointer names, the one it was written for, authenticated where required."""
-        try:
-            ref = store.get_save(ptr["step"], ptr["attempt"])
-        except NotFoundError:
-            raise CorruptionError(
-                f"{where}: points to step {ptr['step']} attempt {ptr['attempt']} of run "
-                f"{ptr['run_id']!r} at {ptr['store']}, which has no such commit (collected by gc?)"
-            ) from None
-        if ref.save_id != ptr["save_id"] or ref.manifest_digest != ptr["manifest_digest"]:
-            raise CorruptionError(
-                f"{where}: the save's manifest digest is {ref.manifest_digest}, the pointer says "
-                f"{ptr['manifest_digest']}; refusing to load"
-            )
-        if self.auth.policy is not AuthPolicy.OFF:
-            report = store.verify(ref, deep=False)
-            bad = [d for r, d in report.problems if r in (SkipReason.UNAUTHENTICATED, SkipReason.UNREADABLE_RECORD)]
-            if bad:
-                raise CorruptionError(
-                    f"{where}: the commit of step {ptr['step']} attempt {ptr['attempt']} is refused under "
-                    f"auth_policy={self.auth.policy.value!r}: {'; '.join(bad)}"
-                )
-        return ref
-
-    def _check_inline(self, ptr: Mapping[str, Any], where: str) -> None:
-        """Inline state is in no commit: only the pointer's tag (the run's key) vouches for it."""
-        why = pointer_auth_problem(self.auth, ptr)
-        if why is None:
-            return
-        keys = sorted(ptr["inline"])[:8]
-        if self.auth.policy is AuthPolicy.WARN:
-            warnings.warn(f"{where}: inline state {keys} used although {why}", UnauthenticatedWarning, stacklevel=3)
-            return
-        raise CorruptionError(
-            f"{where}: the pointer carries state {keys} outside the store that is not authenticated ({why}); "
-            "under auth_policy='require' only pointers tagged with the run's key carry state — "
-            "write a fresh pointer to the save (write_pointer_for_latest) or load a save's own pointer"
-        )
 
     # ------------------------------------------------------------------ remove
     def remove_checkpoint(self, path: _PATH) -> None:

@@ -307,7 +307,8 @@ def write_pointer_for_latest(
     if ref.metadata.get("format") != FORMAT:
         raise InvalidInputError(f"save {ref.save_id} is not a Lightning save (format {ref.metadata.get('format')!r})")
     doc = tree_from_json(store.read(ref, DOC_COMPONENT))
-    _write_atomic(path, _pointer(ref, store.backend.url, list(doc["keys"]), {}, store.auth), storage_options)
+    options = storage_options if url_scheme(os.fspath(path)) == url_scheme(url) else None  # the store's, for its scheme
+    _write_atomic(path, _pointer(ref, store.backend.url, list(doc["keys"]), {}, store.auth), options)
     return ref
 
 

@@ -90,7 +90,7 @@ class CheckpointStore:
         protocol_version: int | None = None,
     ) -> None:
         self.backend = backend
-        self._auth = RecordAuth(auth_policy, keyring)
+        self.auth = self._auth = RecordAuth(auth_policy, keyring)  # public: plug-ins tag their own files with it
         self._resume_deep = resume_verify == "deep"
         self.run_id = validate_run_id(run_id)
         self.mode: Literal["r", "w"] = check_open_args(mode or ("w" if identity is not None else "r"),

@@ -9,6 +9,7 @@ import enum
 import json
 import os
 import pathlib
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,27 @@ def test_async_variant_orders_removal_after_saves_and_loads_after_waiting(tmp_pa
     assert sorted(s.step for s in _reader(tmp_path).list_saves()) == [3, 6, 9]
 
 
+def test_async_variant_holds_no_thread_pool_when_idle_so_a_resumed_trainer_deep_copies(tmp_path: Path) -> None:
+    import copy
+    import pickle
+
+    io = AsyncStoreCheckpointIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT)
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    io.wait()
+    resumed = AsyncStoreCheckpointIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT)
+    assert resumed.load_checkpoint(tmp_path / "a.ckpt")["global_step"] == 1  # what a resume does
+    for plug in (io, resumed):
+        twin = copy.deepcopy(plug)  # raised "cannot pickle '_queue.SimpleQueue'" when a pool stayed after wait()
+        assert isinstance(pickle.loads(pickle.dumps(plug)), AsyncStoreCheckpointIO)
+        assert twin.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"].tolist() == [1.0, 1.0]
+    resumed.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.full((2,), 2.0)}}, tmp_path / "b.ckpt")
+    resumed.remove_checkpoint(tmp_path / "a.ckpt")  # queued behind the save
+    resumed.wait()
+    assert not (tmp_path / "a.ckpt").exists() and read_pointer(tmp_path / "b.ckpt")["step"] == 2
+    copy.deepcopy(resumed)
+    resumed.teardown()
+
+
 def test_pointer_for_latest_recovers_a_lost_pointer(tmp_path: Path) -> None:
     io = _io(tmp_path)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
@@ -338,13 +360,16 @@ def test_load_module_builds_the_module_from_a_pointer(tmp_path: Path) -> None:
     model = WithHparams(note="hello", scale=2.5)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     _trainer(tmp_path, _io(tmp_path), [ckpt], max_epochs=1).fit(model)
-    got = load_module(WithHparams, tmp_path / "ckpts" / "last.ckpt")
+    last = tmp_path / "ckpts" / "last.ckpt"
+    got = load_module(WithHparams, last, url=str(tmp_path / "store"), run_id="run")
     assert isinstance(got, WithHparams) and got.hparams["note"] == "hello" and got.hparams["scale"] == 2.5
     assert all(torch.equal(got.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert load_module(WithHparams, tmp_path / "ckpts" / "last.ckpt", note="override").hparams["note"] == "override"
+    assert load_module(WithHparams, last, allow_other_stores=True, note="override").hparams["note"] == "override"
+    with pytest.raises(CorruptionError, match="refusing to read another store .* allow_other_stores=True"):
+        load_module(WithHparams, last)  # a pointer names its store: which one to trust is the caller's to say
 
-    reader = StoreCheckpointIO()  # no store: loads only
-    assert reader.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 3
+    reader = StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run")  # no identity: loads only
+    assert reader.load_checkpoint(last)["global_step"] == 3
     with pytest.raises(InvalidInputError, match="for loading only"):
         reader.save_checkpoint({"global_step": 9}, tmp_path / "x.ckpt")
 
@@ -362,3 +387,47 @@ def test_async_variant_refuses_on_the_callers_thread_and_reports_background_erro
     io.wait()  # reported once
     assert io.load_checkpoint(tmp_path / "a.ckpt")["global_step"] == 1
     io.teardown()
+
+
+# ------------------------------------------------------------------ multi-rank (issue 24 item 1)
+
+
+def test_two_rank_ddp_spawn_job_saves_and_resumes_with_both_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real 2-rank CPU jobs (ddp_spawn, gloo on 127.0.0.1): rank 0 saves (the store is opened as the single
+    writer of the job), every rank resumes through the pointer, the trained weights come back to the main
+    process through the plug-in's hand-off file. StoreCheckpointIO saves; AsyncStoreCheckpointIO resumes from
+    it and saves; StoreCheckpointIO resumes from that and saves."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    handoff = tmp_path / "tmp"  # where the spawn launcher's tempfile.mkdtemp() puts its hand-off file
+    handoff.mkdir()
+    monkeypatch.setenv("TMPDIR", str(handoff))
+    monkeypatch.setattr(tempfile, "tempdir", str(handoff))
+    ident = RunIdentity(data_digest="random-64", code_digest="boring-1", world_size=2)
+    last = tmp_path / "ckpts" / "last.ckpt"
+
+    def run(plugin: Any, max_epochs: int, resume: bool) -> LoggingModel:
+        io = plugin(url=str(tmp_path / "store"), run_id="run", identity=ident)
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True, save_top_k=1, monitor="step", mode="max")
+        trainer = _trainer(tmp_path, io, [ckpt], max_epochs=max_epochs, strategy="ddp_spawn", accelerator="cpu",
+                           devices=2, limit_train_batches=2)
+        model = LoggingModel()
+        trainer.fit(model, ckpt_path=str(last) if resume else None)
+        return model
+
+    def check(model: LoggingModel, step: int, attempts: int) -> None:
+        store = _reader(tmp_path)
+        assert sorted(s.step for s in store.list_saves()) == list(range(2, step + 1, 2))
+        recs = store.attempts()
+        assert [a.number for a in recs] == list(range(1, attempts + 1))  # rank 0 alone registered each job
+        assert recs[-1].resumed_from == (step - 2 if attempts > 1 else None)
+        got = StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run").load_checkpoint(last)
+        assert got["global_step"] == step
+        # the weights the spawn launcher handed back to the main process are the ones saved last
+        assert all(torch.equal(got["state_dict"][k], v) for k, v in model.state_dict().items())
+        assert sorted(os.listdir(tmp_path / "ckpts")) == [f"epoch={step // 2 - 1}-step={step}.ckpt", "last.ckpt"]
+        assert [p.name for p in handoff.rglob("*") if not p.is_dir()] == []  # the hand-off file was removed
+        assert len(list(handoff.iterdir())) == attempts  # ... and there was one per job
+
+    check(run(StoreCheckpointIO, 1, False), 2, 1)
+    check(run(AsyncStoreCheckpointIO, 2, True), 4, 2)
+    check(run(StoreCheckpointIO, 3, True), 6, 3)

@@ -45,20 +45,35 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
         super().save_checkpoint(*args, **kwargs)
 
     def _run_in_order(self, fn: Callable[[], Any]) -> Any:
-        self._ensure_setup()
-        assert self._executor is not None
+        """``fn`` after every queued save (now, when nothing was ever queued: no thread is made)."""
+        if self._executor is None:
+            return fn()
         return self._executor.submit(fn).result()
 
     def wait(self) -> None:
-        """Block until every queued save has finished; raise the first background error."""
+        """Block until every queued save has finished; raise the first background error.
+        The idle worker thread is let go (the next save makes one again), so a
+        resumed Trainer holds no thread pool and can be deep-copied."""
         self._run_in_order(lambda: None)
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
         if self._error:
             err, self._error = self._error, None
             raise err
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies (``copy.deepcopy`` of a Trainer, ``ddp_spawn``) carry no thread pool and no pending error."""
+        state = dict(self.__dict__)
+        state.update(_executor=None, _error=None)
+        return state
+
     def remove_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         inner = self.checkpoint_io
         assert inner is not None
+        if self._executor is None:  # nothing queued: remove now, on the caller's thread
+            inner.remove_checkpoint(*args, **kwargs)
+            return
 
         def _remove() -> None:
             try:
@@ -66,8 +81,6 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
             except BaseException as ex:  # noqa: BLE001 - raised at the next call, like a failed save
                 self._error = ex
 
-        self._ensure_setup()
-        assert self._executor is not None
         self._executor.submit(_remove)
         if self._error:
             raise self._error

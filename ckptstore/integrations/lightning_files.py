@@ -1,14 +1,15 @@
 """The files of the Lightning plug-in: how a checkpoint dict is split into
-store components, and the small pointer files Lightning sees at its paths
-(written atomically, parsed strictly)."""
+store components and published, and the small pointer and detached files
+Lightning sees at its paths (written atomically). Reading them back, as the
+untrusted input they are, is :mod:`.lightning_trust`'s job."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
 import tempfile
+from base64 import b64encode
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +19,10 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
-from ..errors import (
-    CorruptionError,
-    InvalidInputError,
-)
+from ..authn import RecordAuth
+from ..errors import CommitConflictError, InvalidInputError
+from ..protocol import canonical_json
+from ..protocol.auth import AuthPolicy, Keyring
 from ..store import CheckpointStore, SaveRef
 from ..torch.codec import (
     TypeRegistry,
@@ -38,7 +39,6 @@ POINTER_FORMAT = "ckptstore.lightning-pointer/1"
 DETACHED_FORMAT = "ckptstore.lightning-detached/1"
 DOC_COMPONENT = "checkpoint.json"
 DEFAULT_MAX_INLINE_BYTES = 4 << 20
-
 
 
 # ------------------------------------------------------------------ encoding
@@ -112,25 +112,113 @@ def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return b"".join(bytes(c) for c in chunks)
 
 
+# ------------------------------------------------------------------ publishing
+
+
+@dataclass
+class Published:
+    """A save of one step as published, for comparing later checkpoints of the same step with it."""
+
+    ref: SaveRef
+    trees: dict[str, bytes]  # key -> canonical JSON of its tree
+    digests: dict[str, str | None]  # key -> tensor component digest
+
+
+def publish(store: CheckpointStore, step: int, parts: dict[str, _Part], path: str) -> Published:
+    """Commit the checkpoint's parts as the save of ``step`` (or, if another
+    writer of this attempt committed it first, read that one)."""
+    doc = {
+        "format": FORMAT,
+        "keys": list(parts),
+        "trees": {k: p.tree for k, p in parts.items()},
+        "tensor_components": {k: p.component for k, p in parts.items() if p.component},
+    }
+    try:
+        doc_bytes = tree_to_json(doc)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"checkpoint cannot be encoded as JSON: {exc}") from None
+    comps = {p.component: p for p in parts.values() if p.component}
+    metadata: dict[str, Any] = {"format": FORMAT, "first_path": os.path.basename(path)}
+    if isinstance(parts.get("epoch"), _Part) and isinstance(parts["epoch"].tree, int):
+        metadata["epoch"] = parts["epoch"].tree
+    try:
+        with store.save(step, metadata=metadata, expect=[DOC_COMPONENT, *comps]) as s:
+            for name, p in sorted(comps.items()):
+                _size, chunks = safetensors_stream(p.tensors)
+                p.digest = s.put(name, chunks).blake3
+            s.put(DOC_COMPONENT, doc_bytes)
+        assert s.ref is not None
+        return Published(s.ref, {k: _canonical(p.tree) for k, p in parts.items()}, {k: p.digest for k, p in parts.items()})
+    except CommitConflictError:
+        # another writer of this attempt (another plug-in instance) committed this step first
+        assert store.attempt is not None
+        return load_published(store, store.get_save(step, store.attempt.number))
+
+
+def load_published(store: CheckpointStore, ref: SaveRef) -> Published:
+    doc = tree_from_json(store.read(ref, DOC_COMPONENT))
+    comps: dict[str, str] = doc["tensor_components"]
+    return Published(
+        ref,
+        {k: _canonical(t) for k, t in doc["trees"].items()},
+        {k: (ref.components[comps[k]].blake3 if k in comps else None) for k in doc["trees"]},
+    )
+
+
+def inline_state(pub: Published, parts: dict[str, _Part], step: int, max_inline_bytes: int) -> dict[str, Any]:
+    """Keys whose content differs from the published save, to be carried in the pointer."""
+    inline: dict[str, Any] = {}
+    total = 0
+    for key, p in parts.items():
+        tree = _canonical(p.tree)
+        if pub.trees.get(key) == tree and pub.digests.get(key, "absent") == _digest(p):
+            continue  # identical: referenced from the save
+        total += len(tree) + p.size
+        if total > max_inline_bytes:
+            raise InvalidInputError(
+                f"step {step} was already saved in this attempt with different content under "
+                f"{key!r} ({p.size} bytes of tensors); a store holds one save per step and attempt — "
+                "save different weights at a different global_step"
+            )
+        inline[key] = {"tree": p.tree, "tensors": b64encode(_tensor_bytes(p.tensors)).decode() if p.tensors else None}
+    return inline
+
+
 # ------------------------------------------------------------------ pointer files
 
+#: the tag of a pointer is a record tag of kind "event" over this domain-separated digest, which no
+#: record's body digest can equal (those hash canonical JSON, which starts with "{")
+POINTER_TAG_DOMAIN = b"ckptstore/v1/lightning-pointer\x00"
+POINTER_TAG_KIND = "event"
+DETACHED_MAGIC = b"CKPTSTORE-LIGHTNING-DETACHED/2\n"
 
-def _is_remote(path: str) -> bool:
+
+def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
-def _local(path: str) -> str:
+def local_path(path: str) -> str:
     return path.removeprefix("file://")
 
 
-def _write_atomic(path: _PATH, data: bytes) -> None:
+def url_scheme(url: str) -> str:
+    """``s3``, ``gs``, ... of a URL; ``file`` for a local path."""
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def filesystem(path: str, options: Mapping[str, Any] | None = None) -> Any:
+    """The fsspec filesystem of a remote path (the plug-in's storage options apply to its own scheme)."""
+    return get_filesystem(path, **dict(options or {}))
+
+
+def _write_atomic(path: _PATH, data: bytes, options: Mapping[str, Any] | None = None) -> None:
     p = os.fspath(path)
-    if _is_remote(p):
-        fs = get_filesystem(p)
+    if is_remote(p):
+        fs = filesystem(p, options)
         with fs.open(p, "wb") as f:  # one PUT: atomic on object stores
             f.write(data)
         return
-    p = _local(p)
+    p = local_path(p)
     d = os.path.dirname(os.path.abspath(p))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".ckptstore-pointer-", dir=d)
@@ -153,67 +241,16 @@ def _write_atomic(path: _PATH, data: bytes) -> None:
         os.close(dfd)
 
 
-def _read_file(path: _PATH) -> bytes:
-    p = os.fspath(path)
-    if _is_remote(p):
-        fs = get_filesystem(p)
-        if not fs.exists(p):
-            raise FileNotFoundError(f"Checkpoint file not found: {p}")
-        with fs.open(p, "rb") as f:
-            data: bytes = f.read()
-            return data
-    p = _local(p)
-    if not os.path.exists(p):
-        raise FileNotFoundError(f"Checkpoint file not found: {p}")
-    with open(p, "rb") as f:
-        return f.read()
+def pointer_digest(doc: Mapping[str, Any]) -> str:
+    """What a pointer's tag authenticates: every field but the tag, domain-separated."""
+    body = {k: v for k, v in doc.items() if k != "auth"}
+    return blake3.blake3(POINTER_TAG_DOMAIN + canonical_json(body)).hexdigest()
 
 
-def read_pointer(path: _PATH) -> dict[str, Any]:
-    """The pointer file at ``path``, checked for form (not yet against the store)."""
-    return _parse_pointer(_read_file(path), path)
-
-
-def _detached_meta(raw: bytes) -> dict[str, Any]:
-    """The safetensors ``__metadata__`` of ``raw`` ({} when it is not a safetensors file)."""
-    try:
-        (n,) = struct.unpack("<Q", raw[:8])
-        if n > len(raw) - 8:
-            return {}
-        meta = json.loads(raw[8 : 8 + n].decode()).get("__metadata__")
-    except (struct.error, UnicodeDecodeError, ValueError, AttributeError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
-def _parse_pointer(raw: bytes, path: _PATH) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        raise CorruptionError(
-            f"{os.fspath(path)}: not a ckptstore pointer file (not JSON; a torch.save checkpoint needs "
-            "Lightning's default TorchCheckpointIO)"
-        ) from None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
-        raise CorruptionError(f"{os.fspath(path)}: not a {POINTER_FORMAT} pointer file")
-    try:
-        for k in ("store", "run_id", "save_id", "manifest_digest"):
-            if not isinstance(doc[k], str):
-                raise TypeError(k)
-        for k in ("step", "attempt"):
-            if not isinstance(doc[k], int):
-                raise TypeError(k)
-        if not isinstance(doc["keys"], list) or not isinstance(doc["inline"], dict):
-            raise TypeError("keys/inline")
-    except (KeyError, TypeError) as exc:
-        raise CorruptionError(f"{os.fspath(path)}: pointer file lacks or mangles field {exc}") from None
-    if blake3.blake3(_canonical(doc["inline"])).hexdigest() != doc.get("inline_digest"):
-        raise CorruptionError(f"{os.fspath(path)}: the pointer's inline state does not match its digest")
-    return doc
-
-
-def _pointer(ref: SaveRef, url: str, keys: list[str], inline: dict[str, Any]) -> bytes:
-    doc = {
+def _pointer(
+    ref: SaveRef, url: str, keys: list[str], inline: dict[str, Any], auth: RecordAuth | None = None
+) -> bytes:
+    doc: dict[str, Any] = {
         "format": POINTER_FORMAT,
         "store": url,
         "run_id": ref.run_id,
@@ -225,30 +262,57 @@ def _pointer(ref: SaveRef, url: str, keys: list[str], inline: dict[str, Any]) ->
         "inline": inline,
         "inline_digest": blake3.blake3(_canonical(inline)).hexdigest(),
     }
-    return json.dumps(doc, sort_keys=True, indent=1).encode()
+    if auth is not None and auth.policy is not AuthPolicy.OFF and auth.keyring is not None:
+        tag = auth.keyring.sign(POINTER_TAG_KIND, ref.run_id, pointer_digest(doc))
+        if tag is not None:
+            doc["auth"] = tag.to_json()
+    return canonical_json(doc)  # compact: its size follows the inline bound (see pointer_cap)
+
+
+# ------------------------------------------------------------------ detached hand-off files
+
+
+def detached_bytes(doc_json: bytes, tensors: bytes, key: bytes) -> bytes:
+    """A detached file: magic, a small header authenticated with ``key`` (the
+    plug-in's per-instance secret, shared with its spawned workers), the JSON
+    document and the safetensors bytes."""
+    payload = doc_json + tensors
+    head = {"format": DETACHED_FORMAT, "doc_size": len(doc_json), "size": len(payload),
+            "blake3": blake3.blake3(payload).hexdigest()}
+    head["tag"] = blake3.blake3(canonical_json(head), key=key).hexdigest()
+    header = canonical_json(head)
+    return DETACHED_MAGIC + struct.pack("<I", len(header)) + header + payload
+
+
+# ------------------------------------------------------------------ removal
 
 
 def write_pointer_for_latest(
-    path: _PATH, url: str, run_id: str, *, storage_options: Mapping[str, Any] | None = None
+    path: _PATH, url: str, run_id: str, *, storage_options: Mapping[str, Any] | None = None,
+    auth_policy: AuthPolicy | str = "off", keyring: Keyring | None = None,
 ) -> SaveRef | None:
     """Write a pointer at ``path`` to the run's newest complete Lightning save.
 
     For resuming when a process died between a commit and its pointer (or the
     pointer files were lost): ``trainer.fit(model, ckpt_path=path)``. Returns
     the save, or None (and writes nothing) when the run has no complete save.
+    ``auth_policy``/``keyring``: as for :meth:`CheckpointStore.open` (with a
+    key, the pointer is tagged).
     """
-    store = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options)
+    store = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options,
+                                 auth_policy=auth_policy, keyring=keyring)
     ref = store.latest_complete(deep=True)
     if ref is None:
         return None
     if ref.metadata.get("format") != FORMAT:
         raise InvalidInputError(f"save {ref.save_id} is not a Lightning save (format {ref.metadata.get('format')!r})")
     doc = tree_from_json(store.read(ref, DOC_COMPONENT))
-    _write_atomic(path, _pointer(ref, store.backend.url, list(doc["keys"]), {}))
+    options = storage_options if url_scheme(os.fspath(path)) == url_scheme(url) else None  # the store's, for its scheme
+    _write_atomic(path, _pointer(ref, store.backend.url, list(doc["keys"]), {}, store.auth), options)
     return ref
 
 
-def _map(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
+def map_tensors(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
     if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
         return {k: t.to(map_location) for k, t in tensors.items()}
     return tensors

@@ -125,11 +125,6 @@ def test_production_code_never_imports_the_test_kit() -> None:
         assert "ckptstore.testing" not in src and "from ..testing" not in src and "from .testing" not in src, path
 
 
-def test_no_module_is_overgrown() -> None:
-    big = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
-    assert not big, f"modules over 450 lines (split them by job): {big}"
-
-
 # A subprocess in which torch, numpy and matplotlib cannot be imported.
 BLOCKER = textwrap.dedent(
     """

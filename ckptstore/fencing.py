@@ -20,7 +20,7 @@ from functools import cached_property
 
 from .authn import RecordAuth
 from .errors import CorruptionError, NotFoundError, StoreUnavailableError, SupersededError
-from .protocol import MAX_ATTEMPT, AttemptRecord, attempt_key, attempts_prefix, now, parse_attempt_name
+from .protocol import MAX_ATTEMPT, AttemptRecord, attempt_key, attempt_of_key, attempts_prefix, now
 from .protocol.records import MAX_ATTEMPT_RECORD
 from .protocol.selection import SaveRef, describe_superseder, effective_attempts, superseded_by
 from .runio import RunIO
@@ -68,7 +68,7 @@ class AttemptLog:
         unreadable: dict[int, str] = {}
         prefix = attempts_prefix(self.io.run_id)
         for key in self.io.list_keys(prefix):
-            n = parse_attempt_name(key[len(prefix) :])
+            n = attempt_of_key(self.io.run_id, key)  # the canonical key only, never a twin
             if n is None:
                 continue
             cached = self._cache.get(n)

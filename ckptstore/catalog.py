@@ -394,6 +394,19 @@ class Catalog:
             sa = parse_save_id(sid)
             if sid in committed_ids or sa is None:
                 continue  # a directory whose name does not parse is not ckptstore's: never listed, never deleted
+            if sa in scan.commits:
+                # Its (step, attempt) has a commit key whose record does not name
+                # it (unreadable, torn, forged): it may be that commit's save.
+                # Kept as corrupt for an operator, never taken for uncommitted.
+                detail = (
+                    f"{len(objs)} component(s) written; the commit record of step {sa[0]}, attempt {sa[1]} exists "
+                    "but does not name this save (unreadable or another save's): kept; inspect it and remove by hand"
+                )
+                out.append(
+                    SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, sum(o.size for o in objs.values()),
+                             len(objs), None)
+                )
+                continue
             newest = max(o.mtime for o in objs.values())
             state = uncommitted_state(now - newest, grace_seconds)
             detail = f"{len(objs)} component(s) written, no commit record; last write {now - newest:.0f}s ago"

@@ -27,6 +27,7 @@ from .protocol import (
     CommitRecord,
     UnsupportedVersion,
     component_key,
+    is_component_name,
     parse_save_id,
     save_prefix,
     saves_prefix,
@@ -75,6 +76,10 @@ class Scan:
     memo: set[str] | None = None
     #: record bytes read ahead in one batch (``Catalog.walk``), by key; None: missing
     fetched: dict[str, bytes | None] = field(default_factory=dict)
+    #: keys under ``saves/`` that are not ``<save ID>/<component name>`` (a ``..``
+    #: segment, another spelling of a save ID ...): not ckptstore's, never
+    #: judged, never deleted; reported by gc
+    foreign: list[str] = field(default_factory=list)
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
@@ -83,12 +88,14 @@ class Scan:
         if not with_saves:
             return cls(commits, save_objects, attempts, saves_listed=False)
         sp = saves_prefix(io.run_id)
+        foreign: list[str] = []
         for o in io.list(sp):
-            rest = o.key[len(sp) :]
-            if "/" in rest:
-                sid, name = rest.split("/", 1)
-                save_objects.setdefault(sid, {})[name] = o
-        return cls(commits, save_objects, attempts)
+            sid, _, name = o.key[len(sp) :].partition("/")
+            if parse_save_id(sid) is None or not is_component_name(name):
+                foreign.append(o.key)
+                continue
+            save_objects.setdefault(sid, {})[name] = o
+        return cls(commits, save_objects, attempts, foreign=foreign)
 
 
 class RecordCache:

@@ -119,10 +119,7 @@ class AttemptLog:
             view = self.load()
             number = view.highest + 1
             if number > MAX_ATTEMPT:
-                raise StoreUnavailableError(
-                    f"run {self.io.run_id!r}: attempt numbers are exhausted (an attempt record numbered "
-                    f"{view.highest} exists); start a new run ID"
-                )
+                raise self._exhausted(view)
             if resume_from == "latest":
                 ref = select(view)
                 step: int | None = ref.step if ref else None
@@ -150,6 +147,27 @@ class AttemptLog:
             return rec, ref
         raise StoreUnavailableError(
             f"run {self.io.run_id!r}: could not register an attempt after 16 tries (many concurrent writers?)"
+        )
+
+    def _exhausted(self, view: AttemptView) -> StoreUnavailableError:
+        """The error when no attempt number is left: it names the record that
+        holds the last number (usually a planted or stray one), what it is,
+        and the way out."""
+        top = view.highest
+        where = self.io.where(attempt_key(self.io.run_id, top))
+        if top in view.unreadable:
+            what = f"it is not a usable attempt record ({view.unreadable[top][:200]})"
+        else:
+            rec = view.records[top]
+            what = (
+                f"it claims writer {rec.writer_id!r} on host {rec.host[:80]!r}, resumed from step {rec.resumed_from}"
+            )
+        below = max((n for n in [*view.records, *view.unreadable] if n < top), default=0)
+        return StoreUnavailableError(
+            f"run {self.io.run_id!r}: attempt numbers are exhausted, none is left for a new writer: the attempt record {where} "
+            f"takes the last one ({top}); {what}. The next highest attempt is {below}. If this run never had "
+            f"that many attempts, that file is junk: remove it (by hand, after checking it) and open the run "
+            "again; otherwise start a new run ID."
         )
 
     def check_not_superseded(self, attempt: AttemptRecord, step: int, *, committed: bool) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointStore, SaveState, StoreUnavailableError
+from ckptstore import CheckpointStore, CorruptionError, SaveState, StoreUnavailableError
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
@@ -401,3 +401,17 @@ def test_a_junk_top_attempt_record_is_named_in_the_writers_error(
     # the way out the error names: remove the file, and writers resume from the last good save
     raw.delete(key)
     assert_restorable(env, good, payload)
+
+
+@pytest.mark.parametrize("rank", ["\u00b2", "١", "０", "01", "+1", " 1"])
+def test_rank_numbers_in_a_commit_record_have_one_spelling(rank: str) -> None:
+    sid = P.new_save_id(7, 1)
+    rec = P.CommitRecord(
+        RUN, 7, 1, sid, "w" * 32, "a" * 64, {"m": P.ComponentEntry("m", 3, "b" * 64)}, 1.5e9, {}, {0: ("m",)}, 1
+    )
+    raw = rec.to_record()
+    raw["ranks"] = {rank: ["m"]}
+    data = json.dumps(raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    with pytest.raises(CorruptionError, match="ranks"):  # never a ValueError from int()
+        P.CommitRecord.decode(data, "planted", run_id=RUN, step=7, attempt=1)
+    assert P.CommitRecord.decode(rec.encode(), "real", run_id=RUN, step=7, attempt=1).ranks == {0: ("m",)}

@@ -311,6 +311,7 @@ class Catalog:
         keys = CommitKeys(self.io)
         skipped: list[Skip] = []
         committed_ids: set[str] = set()
+        tried: set[tuple[int, int]] = set()  # (step, attempt) of every candidate tried
         chosen: SaveRef | None = None
         notes = list(view.notes())
         read = 0
@@ -322,6 +323,7 @@ class Catalog:
                 break
             if c.save_id:
                 committed_ids.add(c.save_id)
+            tried.add((c.step, c.attempt))
             if c.ref is not None:
                 chosen = c.ref
                 break
@@ -329,23 +331,30 @@ class Catalog:
         if keys.junk:
             notes.append(f"{keys.junk} name(s) under commits/ are not commit records of this run's layout; ignored")
         if explain:
-            skipped += self._uncommitted_after(chosen, committed_ids)
+            skipped += self._uncommitted_after(chosen, committed_ids, tried)
         shown, more = bound_skips(skipped)
         return Selection(chosen, shown, more, tuple(notes))
 
-    def _uncommitted_after(self, chosen: SaveRef | None, committed_ids: set[str]) -> list[Skip]:
+    def _uncommitted_after(
+        self, chosen: SaveRef | None, committed_ids: set[str], tried: set[tuple[int, int]]
+    ) -> list[Skip]:
         """Uncommitted saves newer than ``chosen`` (their IDs carry step and
-        attempt, and sort by them): the save keys listed from just after it."""
+        attempt, and sort by them): the save keys listed from just after it.
+        A save whose (step, attempt) has a commit key that was tried is not
+        one: that candidate's own skip says why it was not selected."""
         sp = saves_prefix(self.io.run_id)
         after = f"{sp}{chosen.step:012d}-{chosen.attempt:08d}-~" if chosen is not None else ""
         counts: dict[str, int] = {}
         for key in self.io.list_keys(sp, start_after=after):
-            sid = key[len(sp) :].split("/", 1)[0]
-            counts[sid] = counts.get(sid, 0) + 1
+            sid, _, name = key[len(sp) :].partition("/")
+            if is_component_name(name):  # anything else under saves/ is not ckptstore's (see Scan.foreign)
+                counts[sid] = counts.get(sid, 0) + 1
         out = []
         for sid, n in counts.items():
             sa = parse_save_id(sid)
-            if sid in committed_ids or sa is None or (chosen is not None and sa <= (chosen.step, chosen.attempt)):
+            if sid in committed_ids or sa is None or sa in tried:
+                continue
+            if chosen is not None and sa <= (chosen.step, chosen.attempt):
                 continue
             out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{n} component(s) written, no commit record"))
         return out

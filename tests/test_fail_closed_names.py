@@ -301,6 +301,7 @@ def test_unreadable_commit_record_keeps_its_save_through_gc(
     assert rc == 0 and "corrupt" in out and hurt.save_id in out
     rc, out, _ = env.cli(capsys, "latest")
     assert rc == 0 and f"save {good.save_id}" in out and "step 3" in out  # the skip says why
+    assert "no-commit" not in out  # its commit record exists: never reported as uncommitted
     rc, out, _ = env.cli(capsys, "gc", "--apply", "--grace", "0", "--keep-last", "1")
     assert rc == 0, out
 

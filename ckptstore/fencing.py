@@ -35,6 +35,9 @@ class AttemptView:
     records: dict[int, AttemptRecord]
     #: number -> why the record cannot be used (unreadable, newer version)
     unreadable: dict[int, str] = field(default_factory=dict)
+    #: keys under ``attempts/`` that are not an attempt record's canonical key
+    #: (another spelling of a number, a sub-folder ...): ignored, counted here
+    junk: int = 0
 
     @cached_property
     def effective(self) -> dict[int, AttemptRecord]:
@@ -50,7 +53,10 @@ class AttemptView:
         )
 
     def notes(self) -> tuple[str, ...]:
-        return tuple(f"attempt record {n} ignored: {why}" for n, why in sorted(self.unreadable.items())[:20])
+        out = [f"attempt record {n} ignored: {why}" for n, why in sorted(self.unreadable.items())[:20]]
+        if self.junk:
+            out.append(f"{self.junk} name(s) under attempts/ are not attempt records of this run; ignored")
+        return tuple(out)
 
 
 class AttemptLog:
@@ -66,10 +72,12 @@ class AttemptLog:
         only for numbers not seen before."""
         records: dict[int, AttemptRecord] = {}
         unreadable: dict[int, str] = {}
+        junk = 0
         prefix = attempts_prefix(self.io.run_id)
         for key in self.io.list_keys(prefix):
             n = attempt_of_key(self.io.run_id, key)  # the canonical key only, never a twin
             if n is None:
+                junk += 1
                 continue
             cached = self._cache.get(n)
             if cached is not None:
@@ -88,7 +96,7 @@ class AttemptLog:
                 unreadable[n] = why
                 continue
             records[n] = self._cache[n] = rec
-        return AttemptView(records, unreadable)
+        return AttemptView(records, unreadable, junk)
 
     def read(self, number: int) -> AttemptRecord:
         key = attempt_key(self.io.run_id, number)

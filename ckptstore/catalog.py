@@ -27,6 +27,7 @@ from .protocol import (
     CommitRecord,
     UnsupportedVersion,
     component_key,
+    is_component_name,
     parse_save_id,
     save_prefix,
     saves_prefix,
@@ -75,6 +76,10 @@ class Scan:
     memo: set[str] | None = None
     #: record bytes read ahead in one batch (``Catalog.walk``), by key; None: missing
     fetched: dict[str, bytes | None] = field(default_factory=dict)
+    #: keys under ``saves/`` that are not ``<save ID>/<component name>`` (a ``..``
+    #: segment, another spelling of a save ID ...): not ckptstore's, never
+    #: judged, never deleted; reported by gc
+    foreign: list[str] = field(default_factory=list)
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
@@ -83,12 +88,14 @@ class Scan:
         if not with_saves:
             return cls(commits, save_objects, attempts, saves_listed=False)
         sp = saves_prefix(io.run_id)
+        foreign: list[str] = []
         for o in io.list(sp):
-            rest = o.key[len(sp) :]
-            if "/" in rest:
-                sid, name = rest.split("/", 1)
-                save_objects.setdefault(sid, {})[name] = o
-        return cls(commits, save_objects, attempts)
+            sid, _, name = o.key[len(sp) :].partition("/")
+            if parse_save_id(sid) is None or not is_component_name(name):
+                foreign.append(o.key)
+                continue
+            save_objects.setdefault(sid, {})[name] = o
+        return cls(commits, save_objects, attempts, foreign=foreign)
 
 
 class RecordCache:
@@ -310,6 +317,7 @@ class Catalog:
         keys = CommitKeys(self.io)
         skipped: list[Skip] = []
         committed_ids: set[str] = set()
+        tried: set[tuple[int, int]] = set()  # (step, attempt) of every candidate tried
         chosen: SaveRef | None = None
         notes = list(view.notes())
         read = 0
@@ -321,6 +329,7 @@ class Catalog:
                 break
             if c.save_id:
                 committed_ids.add(c.save_id)
+            tried.add((c.step, c.attempt))
             if c.ref is not None:
                 chosen = c.ref
                 break
@@ -328,23 +337,30 @@ class Catalog:
         if keys.junk:
             notes.append(f"{keys.junk} name(s) under commits/ are not commit records of this run's layout; ignored")
         if explain:
-            skipped += self._uncommitted_after(chosen, committed_ids)
+            skipped += self._uncommitted_after(chosen, committed_ids, tried)
         shown, more = bound_skips(skipped)
         return Selection(chosen, shown, more, tuple(notes))
 
-    def _uncommitted_after(self, chosen: SaveRef | None, committed_ids: set[str]) -> list[Skip]:
+    def _uncommitted_after(
+        self, chosen: SaveRef | None, committed_ids: set[str], tried: set[tuple[int, int]]
+    ) -> list[Skip]:
         """Uncommitted saves newer than ``chosen`` (their IDs carry step and
-        attempt, and sort by them): the save keys listed from just after it."""
+        attempt, and sort by them): the save keys listed from just after it.
+        A save whose (step, attempt) has a commit key that was tried is not
+        one: that candidate's own skip says why it was not selected."""
         sp = saves_prefix(self.io.run_id)
         after = f"{sp}{chosen.step:012d}-{chosen.attempt:08d}-~" if chosen is not None else ""
         counts: dict[str, int] = {}
         for key in self.io.list_keys(sp, start_after=after):
-            sid = key[len(sp) :].split("/", 1)[0]
-            counts[sid] = counts.get(sid, 0) + 1
+            sid, _, name = key[len(sp) :].partition("/")
+            if is_component_name(name):  # anything else under saves/ is not ckptstore's (see Scan.foreign)
+                counts[sid] = counts.get(sid, 0) + 1
         out = []
         for sid, n in counts.items():
             sa = parse_save_id(sid)
-            if sid in committed_ids or sa is None or (chosen is not None and sa <= (chosen.step, chosen.attempt)):
+            if sid in committed_ids or sa is None or sa in tried:
+                continue
+            if chosen is not None and sa <= (chosen.step, chosen.attempt):
                 continue
             out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{n} component(s) written, no commit record"))
         return out
@@ -400,6 +416,19 @@ class Catalog:
             sa = parse_save_id(sid)
             if sid in committed_ids or sa is None:
                 continue  # a directory whose name does not parse is not ckptstore's: never listed, never deleted
+            if sa in scan.commits:
+                # Its (step, attempt) has a commit key whose record does not name
+                # it (unreadable, torn, forged): it may be that commit's save.
+                # Kept as corrupt for an operator, never taken for uncommitted.
+                detail = (
+                    f"{len(objs)} component(s) written; the commit record of step {sa[0]}, attempt {sa[1]} exists "
+                    "but does not name this save (unreadable or another save's): kept; inspect it and remove by hand"
+                )
+                out.append(
+                    SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, sum(o.size for o in objs.values()),
+                             len(objs), None)
+                )
+                continue
             newest = max(o.mtime for o in objs.values())
             state = uncommitted_state(now - newest, grace_seconds)
             detail = f"{len(objs)} component(s) written, no commit record; last write {now - newest:.0f}s ago"

@@ -188,6 +188,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     lines = [(f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s), "
               f"{len(rep.temporaries)} stray temporary file(s); kept {len(rep.kept)}")]
     lines += [f"  {esc(s)}: {esc(r)}" for s, r in rep.deleted_saves]
+    obj["ignored"] = rep.ignored
+    if rep.ignored:
+        lines.append(f"left alone {len(rep.ignored)} key(s) under saves/ that are not ckptstore's (inspect; remove by hand):")
+        lines += [f"  {esc(k)}" for k in rep.ignored[:20]]
+        if len(rep.ignored) > 20:
+            lines.append(f"  ... and {len(rep.ignored) - 20} more")
     if rep.dry_run and rep.actions:
         lines.append("dry run: pass --apply to delete")
     if rep.refused is not None:

@@ -44,7 +44,7 @@ class CommitKeys:
         self.junk = 0
 
     def _parse(self, key: str) -> tuple[int, int] | None:
-        sa = self.io.layout.parse_commit_name(key[len(self.prefix) :])
+        sa = self.io.layout.commit_of_key(self.io.run_id, key)  # the canonical key only, never a twin
         if sa is None:
             self.junk += 1
         return sa

@@ -20,7 +20,7 @@ from functools import cached_property
 
 from .authn import RecordAuth
 from .errors import CorruptionError, NotFoundError, StoreUnavailableError, SupersededError
-from .protocol import MAX_ATTEMPT, AttemptRecord, attempt_key, attempts_prefix, now, parse_attempt_name
+from .protocol import MAX_ATTEMPT, AttemptRecord, attempt_key, attempt_of_key, attempts_prefix, now
 from .protocol.records import MAX_ATTEMPT_RECORD
 from .protocol.selection import SaveRef, describe_superseder, effective_attempts, superseded_by
 from .runio import RunIO
@@ -35,6 +35,9 @@ class AttemptView:
     records: dict[int, AttemptRecord]
     #: number -> why the record cannot be used (unreadable, newer version)
     unreadable: dict[int, str] = field(default_factory=dict)
+    #: keys under ``attempts/`` that are not an attempt record's canonical key
+    #: (another spelling of a number, a sub-folder ...): ignored, counted here
+    junk: int = 0
 
     @cached_property
     def effective(self) -> dict[int, AttemptRecord]:
@@ -50,7 +53,10 @@ class AttemptView:
         )
 
     def notes(self) -> tuple[str, ...]:
-        return tuple(f"attempt record {n} ignored: {why}" for n, why in sorted(self.unreadable.items())[:20])
+        out = [f"attempt record {n} ignored: {why}" for n, why in sorted(self.unreadable.items())[:20]]
+        if self.junk:
+            out.append(f"{self.junk} name(s) under attempts/ are not attempt records of this run; ignored")
+        return tuple(out)
 
 
 class AttemptLog:
@@ -66,10 +72,12 @@ class AttemptLog:
         only for numbers not seen before."""
         records: dict[int, AttemptRecord] = {}
         unreadable: dict[int, str] = {}
+        junk = 0
         prefix = attempts_prefix(self.io.run_id)
         for key in self.io.list_keys(prefix):
-            n = parse_attempt_name(key[len(prefix) :])
+            n = attempt_of_key(self.io.run_id, key)  # the canonical key only, never a twin
             if n is None:
+                junk += 1
                 continue
             cached = self._cache.get(n)
             if cached is not None:
@@ -88,7 +96,7 @@ class AttemptLog:
                 unreadable[n] = why
                 continue
             records[n] = self._cache[n] = rec
-        return AttemptView(records, unreadable)
+        return AttemptView(records, unreadable, junk)
 
     def read(self, number: int) -> AttemptRecord:
         key = attempt_key(self.io.run_id, number)
@@ -119,10 +127,7 @@ class AttemptLog:
             view = self.load()
             number = view.highest + 1
             if number > MAX_ATTEMPT:
-                raise StoreUnavailableError(
-                    f"run {self.io.run_id!r}: attempt numbers are exhausted (an attempt record numbered "
-                    f"{view.highest} exists); start a new run ID"
-                )
+                raise self._exhausted(view)
             if resume_from == "latest":
                 ref = select(view)
                 step: int | None = ref.step if ref else None
@@ -150,6 +155,27 @@ class AttemptLog:
             return rec, ref
         raise StoreUnavailableError(
             f"run {self.io.run_id!r}: could not register an attempt after 16 tries (many concurrent writers?)"
+        )
+
+    def _exhausted(self, view: AttemptView) -> StoreUnavailableError:
+        """The error when no attempt number is left: it names the record that
+        holds the last number (usually a planted or stray one), what it is,
+        and the way out."""
+        top = view.highest
+        where = self.io.where(attempt_key(self.io.run_id, top))
+        if top in view.unreadable:
+            what = f"it is not a usable attempt record ({view.unreadable[top][:200]})"
+        else:
+            rec = view.records[top]
+            what = (
+                f"it claims writer {rec.writer_id!r} on host {rec.host[:80]!r}, resumed from step {rec.resumed_from}"
+            )
+        below = max((n for n in [*view.records, *view.unreadable] if n < top), default=0)
+        return StoreUnavailableError(
+            f"run {self.io.run_id!r}: attempt numbers are exhausted, none is left for a new writer: the attempt record {where} "
+            f"takes the last one ({top}); {what}. The next highest attempt is {below}. If this run never had "
+            f"that many attempts, that file is junk: remove it (by hand, after checking it) and open the run "
+            "again; otherwise start a new run ID."
         )
 
     def check_not_superseded(self, attempt: AttemptRecord, step: int, *, committed: bool) -> None:

@@ -31,6 +31,9 @@ class GcReport:
     refused: str | None = None
     #: component bytes gc read to verify what it keeps
     bytes_read: int = 0
+    #: keys under ``saves/`` that are not ckptstore's (``..`` segments, names
+    #: that are not component names, save IDs of another spelling): left alone
+    ignored: list[str] = field(default_factory=list)
 
 
 def collect(
@@ -52,6 +55,7 @@ def collect(
             dry_run, [], [], [], [],
             refused=f"attempt record {n} cannot be read ({scan.attempts.unreadable[n][:200]}); "
             "gc deletes nothing while an unreadable attempt record exists (inspect and remove it by hand)",
+            ignored=scan.foreign,
         )
     # Deep-check newest first only until ``keep_last`` saves verified: what is
     # older is deleted (or kept by keep_every) on the size check, so gc reads
@@ -74,5 +78,5 @@ def collect(
             io.backend.remove_incomplete(handle)
     return GcReport(
         dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions, incomplete,
-        bytes_read=io.bytes_read - start,
+        bytes_read=io.bytes_read - start, ignored=scan.foreign,
     )

@@ -31,9 +31,9 @@ from .protocol import (
     AttemptRecord,
     EventRecord,
     attempt_key,
+    attempt_of_key,
     attempts_prefix,
     events_prefix,
-    parse_attempt_name,
     run_record_key,
 )
 from .protocol.records import MAX_ATTEMPT_RECORD, MAX_EVENT_RECORD, Signable
@@ -128,7 +128,7 @@ def sign_run(catalog: Catalog) -> SignReport:
     # the records as they are: attempts, and every commit with its save re-hashed
     attempts: dict[int, tuple[str, AttemptRecord]] = {}
     for o in io.list(attempts_prefix(io.run_id)):
-        n = parse_attempt_name(o.key.rsplit("/", 1)[-1])
+        n = attempt_of_key(io.run_id, o.key)  # the canonical key only, never a twin
         if n is None:
             continue
         key = attempt_key(io.run_id, n)

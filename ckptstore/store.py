@@ -361,8 +361,10 @@ class CheckpointStore:
         complete saves; with ``keep_every=N``, every complete save whose step
         is a multiple of N; any uncommitted save whose last write is younger
         than ``grace_seconds`` (it may be in flight); corrupt commits (evidence
-        for an operator; delete them by hand); records of a newer protocol
-        version. With ``deep`` (the default) every commit is re-hashed before
+        for an operator; delete them by hand), and every save directory whose
+        step and attempt have a commit record, readable or not; records of a
+        newer protocol version; keys under ``saves/`` that are not a save ID
+        and a component name (reported in ``ignored``, never deleted). With ``deep`` (the default) every commit is re-hashed before
         anything is deleted, so a save with an undetected bit flip never counts
         as the newest complete one and the last good save behind it survives.
         Deleted: older complete saves, superseded saves, uncommitted saves

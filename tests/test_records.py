@@ -147,6 +147,95 @@ def test_fuzz_commit_fields_raise_only_corruption(value: object, field: str) -> 
         pass
 
 
+# ------------------------------------------- names: one spelling (PROTOCOL.md §1)
+
+#: characters another parser might read as a digit: other scripts' digits, superscripts, fractions ...
+OTHER_DIGITS = st.characters(categories=("Nd", "No", "Nl"), exclude_characters="0123456789")
+STEPS = st.integers(min_value=0, max_value=P.MAX_STEP)
+ATTEMPTS = st.integers(min_value=1, max_value=P.MAX_ATTEMPT)
+HEX = st.text("0123456789abcdef", min_size=1, max_size=1)
+
+
+def _names(version: int) -> dict[str, tuple[Callable[[str], object], Callable[[str, object], str | None]]]:
+    """Parser of each kind of name, and the canonical spelling of what it parsed
+    (from the parsed value and the name's random tail)."""
+    layout = P.layout_of(version)
+    return {
+        "commit": (layout.parse_commit_name, lambda n, v: layout.commit_name(*v)),  # type: ignore[misc]
+        "attempt": (P.parse_attempt_name, lambda n, v: f"{v:08d}.json"),
+        "save-id": (P.parse_save_id, lambda n, v: f"{v[0]:012d}-{v[1]:08d}-{n[-12:]}"),  # type: ignore[index]
+        "event": (P.parse_event_name, lambda n, v: f"{v[0]:020d}-{v[1]}-{n[-13:]}"),  # type: ignore[index]
+    }
+
+
+@st.composite
+def _name_and_edits(draw: st.DrawFn) -> tuple[int, str, str, str]:
+    version = draw(st.sampled_from([1, 2]))
+    kind = draw(st.sampled_from(["commit", "attempt", "save-id", "event"]))
+    step, attempt = draw(STEPS), draw(ATTEMPTS)
+    rand = "".join(draw(st.lists(HEX, min_size=12, max_size=12)))
+    name = {
+        "commit": P.layout_of(version).commit_name(step, attempt),
+        "attempt": f"{attempt:08d}.json",
+        "save-id": f"{step:012d}-{attempt:08d}-{rand}",
+        "event": f"{step:020d}-{draw(st.from_regex(r'[A-Za-z0-9_-]{1,8}', fullmatch=True))}-{rand[:8]}.json",
+    }[kind]
+    mutated = list(name)
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        at = draw(st.integers(min_value=0, max_value=len(mutated)))
+        ch = draw(OTHER_DIGITS | st.sampled_from(list("0123456789\n\t /.-+_")) | st.characters())
+        how = draw(st.sampled_from(["replace", "insert"]))
+        if how == "replace" and at < len(mutated):
+            mutated[at] = ch
+        else:
+            mutated.insert(at, ch)
+    return version, kind, name, "".join(mutated)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_name_and_edits())
+def test_fuzz_names_parse_only_in_their_one_spelling(case: tuple[int, str, str, str]) -> None:
+    """A canonical name parses; any edit of it (another script's digit,
+    a superscript, a newline, a sign ...) parses only if it is itself the
+    canonical spelling of what it parses to: never a twin of another name."""
+    version, kind, name, mutated = case
+    parse, spell = _names(version)[kind]
+    value = parse(name)
+    assert value is not None and spell(name, value) == name, name
+    got = parse(mutated)
+    if got is not None:
+        assert mutated.isascii() and spell(mutated, got) == mutated, (name, mutated, got)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(min_value=0, max_value=2), st.integers(min_value=0, max_value=47), OTHER_DIGITS),
+                min_size=1, max_size=12))
+def test_fuzz_listings_with_twins_of_real_names(twins: list[tuple[int, int, str]]) -> None:
+    """Twins of real commit, attempt and save names (a digit respelled in another
+    script), with junk bytes: selection, listing and gc see exactly the real
+    saves, and gc deletes no planted twin."""
+    b = MemoryBackend("twins")
+    st_ = CheckpointStore.open(b, "run", identity=IDENT)
+    refs = [_save(st_, s) for s in (1, 2)]
+    real = [P.LATEST_LAYOUT.commit_key("run", 2, 1), P.attempt_key("run", 1), P.component_key("run", refs[1].save_id, "model")]
+    planted = {}
+    for which, at, ch in twins:
+        key = real[which]
+        digits = [i for i, c in enumerate(key) if c.isdigit() and i > len("run/")]
+        i = digits[at % len(digits)]
+        planted[key[:i] + ch + key[i + 1 :]] = b"twin"
+    raw = RawAccess(b)
+    for k, v in planted.items():
+        raw.set(k, v)
+    reader = CheckpointStore.open(b, "run", mode="r")
+    assert [(i.step, i.state) for i in reader.list_saves(deep=True)] == [(2, SaveState.COMMITTED), (1, SaveState.COMMITTED)]
+    rep = reader.gc(keep_last=1, grace_seconds=0)
+    assert rep.refused is None and [s for s, _ in rep.deleted_saves] == [refs[0].save_id]
+    latest = reader.latest_complete(deep=True)
+    assert latest is not None and latest.save_id == refs[1].save_id and reader.read(latest, "model") == b"weights@2"
+    assert all(raw.get(k) == v for k, v in planted.items())
+
+
 def _careful(data: bytes) -> object:
     """What the careful (hook-based) canonical decoder says: the value, or the CorruptionError class."""
     from ckptstore.protocol import canonical

@@ -51,6 +51,8 @@ class Commit:
     removed: bool = False
     #: components whose size no longer matches the record (deleted or truncated)
     bad_size: set[str] = field(default_factory=set)
+    #: the commit record itself was torn: gc must keep its save (THREATS.md §4.3)
+    torn: bool = False
 
 
 @dataclass
@@ -98,6 +100,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.writer = self._open_writer("latest")
         self.zombie: CheckpointStore | None = None
         self.next_step = 0
+        #: junk planted under twins of real names (another script's digit): never read, never deleted
+        self.planted: dict[str, bytes] = {}
 
     # -- helpers -----------------------------------------------------------
     def _open_writer(self, resume_from: object) -> CheckpointStore:
@@ -203,6 +207,38 @@ class StoreMachine(RuleBasedStateMachine):
             c.bad_size.discard(name)
         c.corrupted = True
 
+    @precondition(lambda self: bool(self.model.commits))
+    @rule(data=st.data(), what=st.sampled_from(["commit", "attempt", "save"]),
+          digit=st.characters(categories=("Nd", "No"), exclude_characters="0123456789"))
+    def plant_twin(self, data: st.DataObject, what: str, digit: str) -> None:
+        """A twin of a real name, one digit respelled in another script, holding
+        junk: it must replace nothing (PROTOCOL.md §1, one spelling per name)."""
+        c = data.draw(st.sampled_from(sorted(self.model.commits.values(), key=lambda c: (c.step, c.attempt))))
+        key = {
+            "commit": P.LATEST_LAYOUT.commit_key(RUN, c.step, c.attempt),
+            "attempt": P.attempt_key(RUN, c.attempt),
+            "save": P.component_key(RUN, c.save_id, sorted(c.data)[0]),
+        }[what]
+        # digits of the key but the save ID's random part (the draw must not depend on chance)
+        shape = key.replace(c.save_id, c.save_id[:-12] + "x" * 12)
+        digits = [i for i, ch in enumerate(shape) if ch.isdigit() and i > len(RUN)]
+        at = data.draw(st.sampled_from(digits))
+        twin = key[:at] + digit + key[at + 1 :]
+        self.inner.put(twin, [b"twin"])
+        self.planted[twin] = b"twin"
+
+    @precondition(lambda self: any(not (c.removed or c.torn) for c in self.model.commits.values()))
+    @rule(data=st.data(), how=st.sampled_from(["torn", "empty"]))
+    def tear_commit_record(self, data: st.DataObject, how: str) -> None:
+        """Bit rot on the commit record itself: its save is no longer selectable,
+        and gc keeps it (THREATS.md §4.3)."""
+        c = data.draw(st.sampled_from(sorted((c for c in self.model.commits.values() if not (c.removed or c.torn)),
+                                             key=lambda c: (c.step, c.attempt))))
+        key = P.LATEST_LAYOUT.commit_key(RUN, c.step, c.attempt)
+        rec = self.inner.get(key)
+        self.inner.put(key, [rec[: len(rec) // 2] if how == "torn" else b""])
+        c.torn = c.corrupted = True
+
     @rule()
     def second_writer_same_step(self) -> None:
         step = self.next_step + 1
@@ -257,14 +293,14 @@ class StoreMachine(RuleBasedStateMachine):
             if i >= keep:
                 c.removed = True
         for c in self.model.commits.values():
-            if self.model.superseded(c):
+            if self.model.superseded(c) and not c.torn:  # a torn record's save is kept, whatever it was
                 c.removed = True
         # gc hashes newest first only until `keep` saves verified; older ones get the size check
         # (PROTOCOL §4.5), so a flipped byte behind the kept saves looks complete and is deleted
         if len(selectable) >= keep:
             edge = (selectable[keep - 1].step, selectable[keep - 1].attempt)
             for c in self.model.commits.values():
-                if c.corrupted and not c.bad_size and (c.step, c.attempt) < edge:
+                if c.corrupted and not c.bad_size and not c.torn and (c.step, c.attempt) < edge:
                     c.removed = True
         after = self.model.expected_latest()
         assert (before.save_id if before else None) == (after.save_id if after else None)
@@ -299,6 +335,15 @@ class StoreMachine(RuleBasedStateMachine):
                 assert c is not None and c.corrupted
             elif s.reason is SkipReason.NO_COMMIT:  # no commit record names this save
                 assert s.save_id not in {c.save_id for c in self.model.commits.values()}
+
+    @invariant()
+    def nothing_planted_or_torn_is_deleted(self) -> None:
+        for key, data in self.planted.items():
+            assert self.inner.get(key) == data, f"planted twin {key!r} was changed or deleted"
+        for c in self.model.commits.values():
+            if c.torn:
+                for name in sorted(set(c.data) - c.bad_size):
+                    self.inner.size(P.component_key(RUN, c.save_id, name))  # NotFoundError: gc deleted it
 
     @invariant()
     def acknowledged_commits_stay_selectable(self) -> None:

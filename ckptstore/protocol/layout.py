@@ -35,16 +35,21 @@ PROTOCOL_VERSION = 2
 #: never part of a key, so a temporary can never be mistaken for an object.
 RESERVED_MARK = ".ckpt-tmp-"
 
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
-_COMMIT_RE = re.compile(rf"^(\d{{{STEP_WIDTH}}})\.(\d{{{ATTEMPT_WIDTH}}})\.json$")
+# One spelling per name (PROTOCOL.md §1): ASCII only (``[0-9]``, never ``\d``,
+# which also matches other scripts' digits), whole-string matches (``$`` would
+# accept a trailing newline), and every parser below accepts a name only if
+# encoding its parsed value gives the same name back.
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}", re.ASCII)
+_COMMIT_RE = re.compile(rf"([0-9]{{{STEP_WIDTH}}})\.([0-9]{{{ATTEMPT_WIDTH}}})\.json", re.ASCII)
 _COMMIT_V2_RE = re.compile(
-    rf"^(\d{{{STEP_WIDTH}}})\.(\d{{{ATTEMPT_WIDTH}}})-(\d{{{STEP_WIDTH}}})\.(\d{{{ATTEMPT_WIDTH}}})\.json$"
+    rf"([0-9]{{{STEP_WIDTH}}})\.([0-9]{{{ATTEMPT_WIDTH}}})-([0-9]{{{STEP_WIDTH}}})\.([0-9]{{{ATTEMPT_WIDTH}}})\.json",
+    re.ASCII,
 )
-_ATTEMPT_RE = re.compile(rf"^(\d{{{ATTEMPT_WIDTH}}})\.json$")
-_SAVE_ID_RE = re.compile(rf"^(\d{{{STEP_WIDTH}}})-(\d{{{ATTEMPT_WIDTH}}})-([0-9a-f]{{12}})$")
-_EVENT_RE = re.compile(r"^(\d{20})-([A-Za-z0-9_-]{1,64})-([0-9a-f]{8})\.json$")
-_EVENT_KIND_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ATTEMPT_RE = re.compile(rf"([0-9]{{{ATTEMPT_WIDTH}}})\.json", re.ASCII)
+_SAVE_ID_RE = re.compile(rf"([0-9]{{{STEP_WIDTH}}})-([0-9]{{{ATTEMPT_WIDTH}}})-([0-9a-f]{{12}})", re.ASCII)
+_EVENT_RE = re.compile(r"([0-9]{20})-([A-Za-z0-9_-]{1,64})-([0-9a-f]{8})\.json", re.ASCII)
+_EVENT_KIND_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 
 
 # ---------------------------------------------------------------------------
@@ -54,7 +59,7 @@ _EVENT_KIND_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 def validate_run_id(run_id: object) -> str:
     if not isinstance(run_id, str) or not run_id:
         raise InvalidInputError("run ID must be a non-empty string")
-    if not _RUN_ID_RE.match(run_id):
+    if not _RUN_ID_RE.fullmatch(run_id):
         raise InvalidInputError(
             f"run ID {run_id!r} is invalid: use 1-128 characters from letters, digits, '.', '_' and '-', "
             "starting with a letter or digit"
@@ -76,7 +81,7 @@ def is_component_name(name: object) -> bool:
     reserved temporary marker)."""
     if not isinstance(name, str) or not name or len(name) > 512:
         return False
-    return all(_SEGMENT_RE.match(seg) and RESERVED_MARK not in seg for seg in name.split("/"))
+    return all(_SEGMENT_RE.fullmatch(seg) and RESERVED_MARK not in seg for seg in name.split("/"))
 
 
 def validate_component_name(name: object) -> str:
@@ -90,7 +95,7 @@ def validate_component_name(name: object) -> str:
 
 
 def validate_event_kind(kind: object) -> str:
-    if not isinstance(kind, str) or not _EVENT_KIND_RE.match(kind):
+    if not isinstance(kind, str) or not _EVENT_KIND_RE.fullmatch(kind):
         raise InvalidInputError(f"event kind {str(kind)[:80]!r} must be 1-64 letters, digits, '-' or '_'")
     return kind
 
@@ -150,20 +155,43 @@ def new_save_id(step: int, attempt: int) -> str:
 
 
 def parse_attempt_name(name: str) -> int | None:
-    m = _ATTEMPT_RE.match(name)
-    return int(m.group(1)) if m and int(m.group(1)) >= 1 else None
+    """The number of an attempt-record name (``<attempt:08d>.json``); None for
+    any other name, another spelling of a number included."""
+    m = _ATTEMPT_RE.fullmatch(name) if isinstance(name, str) else None
+    if m is None:
+        return None
+    n = int(m.group(1))
+    return n if 1 <= n <= MAX_ATTEMPT and f"{n:0{ATTEMPT_WIDTH}d}.json" == name else None
 
 
 def parse_save_id(save_id: str) -> tuple[int, int] | None:
-    m = _SAVE_ID_RE.match(save_id)
-    if not m or int(m.group(2)) < 1:
+    """(step, attempt) of a save ID; None for anything else, another spelling
+    of the same numbers included."""
+    m = _SAVE_ID_RE.fullmatch(save_id) if isinstance(save_id, str) else None
+    if m is None:
         return None
-    return int(m.group(1)), int(m.group(2))
+    step, attempt = int(m.group(1)), int(m.group(2))
+    if attempt < 1 or f"{step:0{STEP_WIDTH}d}-{attempt:0{ATTEMPT_WIDTH}d}-{m.group(3)}" != save_id:
+        return None
+    return step, attempt
 
 
 def parse_event_name(name: str) -> tuple[int, str] | None:
-    m = _EVENT_RE.match(name)
-    return (int(m.group(1)), m.group(2)) if m else None
+    """(microseconds, kind) of an event name; None for anything else."""
+    m = _EVENT_RE.fullmatch(name) if isinstance(name, str) else None
+    if m is None:
+        return None
+    usec, kind = int(m.group(1)), m.group(2)
+    return (usec, kind) if f"{usec:020d}-{kind}-{m.group(3)}.json" == name else None
+
+
+def attempt_of_key(run_id: str, key: str) -> int | None:
+    """The attempt number of a listed key, only if ``key`` is exactly that
+    attempt's canonical key (PROTOCOL.md §1: one spelling per name): a key in
+    a sub-folder of ``attempts/``, or any other spelling of a number, is None."""
+    prefix = attempts_prefix(run_id)
+    n = parse_attempt_name(key[len(prefix) :]) if key.startswith(prefix) else None
+    return n if n is not None and attempt_key(run_id, n) == key else None
 
 
 # ---------------------------------------------------------------------------
@@ -210,18 +238,21 @@ class Layout:
     def parse_commit_name(self, name: str) -> tuple[int, int] | None:
         """(step, attempt) of a commit-record name of this layout; None for
         anything else (a name of the other layout included)."""
-        if not self.newest_first:
-            m = _COMMIT_RE.match(name)
-            if not m or int(m.group(2)) < 1:
-                return None
-            return int(m.group(1)), int(m.group(2))
-        m = _COMMIT_V2_RE.match(name)
-        if not m:
+        m = (_COMMIT_V2_RE if self.newest_first else _COMMIT_RE).fullmatch(name) if isinstance(name, str) else None
+        if m is None:
             return None
-        step, attempt = int(m.group(3)), int(m.group(4))
-        if attempt < 1 or int(m.group(1)) != MAX_STEP - step or int(m.group(2)) != MAX_ATTEMPT - attempt:
-            return None
+        step, attempt = (int(m.group(3)), int(m.group(4))) if self.newest_first else (int(m.group(1)), int(m.group(2)))
+        if not (0 <= step <= MAX_STEP and 1 <= attempt <= MAX_ATTEMPT) or self.commit_name(step, attempt) != name:
+            return None  # another spelling (digits of another script, halves that disagree): not ours
         return step, attempt
+
+    def commit_of_key(self, run_id: str, key: str) -> tuple[int, int] | None:
+        """(step, attempt) of a listed key, only if ``key`` is exactly that
+        commit's canonical key (a key in a sub-folder of ``commits/``, or any
+        other spelling of the same numbers, is None)."""
+        prefix = f"{run_id}/{COMMITS_DIR}/"
+        sa = self.parse_commit_name(key[len(prefix) :]) if key.startswith(prefix) else None
+        return sa if sa is not None and self.commit_key(run_id, *sa) == key else None
 
     @property
     def name_length(self) -> int:

@@ -372,7 +372,9 @@ class CommitRecord(Signable):
             assert rr is not None
             ranks = {}
             for r, names in rr.items():
-                if not r.isdigit() or len(r) > 7 or not isinstance(names, list) or not all(n in comps for n in names):
+                # one spelling per rank: ASCII digits, no leading zero ('²', '١', '01' are not ranks)
+                canonical = r.isascii() and r.isdigit() and len(r) <= 7 and str(int(r)) == r
+                if not canonical or not isinstance(names, list) or not all(n in comps for n in names):
                     raise f.bad("ranks", "a map of rank numbers to names of listed components")
                 ranks[int(r)] = tuple(names)
         world = f.int_in("world_size", 1, 1 << 20) if "world_size" in f.rec else None

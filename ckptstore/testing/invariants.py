@@ -26,10 +26,17 @@ import blake3
 from ..backends.base import Backend
 from ..errors import NotFoundError
 
-_COMMIT_NAME = re.compile(r"^(\d{12})\.(\d{8})\.json$")  # a version-1 run (oldest first)
+# ASCII digits only, whole names (PROTOCOL.md §1: one spelling per name); a
+# match counts only if the name is the canonical one of its parsed numbers
+_COMMIT_NAME = re.compile(r"([0-9]{12})\.([0-9]{8})\.json", re.ASCII)  # a version-1 run (oldest first)
 # a version-2 run (newest first): inverted step and attempt, then the plain ones
-_COMMIT_NAME_V2 = re.compile(r"^\d{12}\.\d{8}-(\d{12})\.(\d{8})\.json$")
-_ATTEMPT_NAME = re.compile(r"^(\d{8})\.json$")
+_COMMIT_NAME_V2 = re.compile(r"[0-9]{12}\.[0-9]{8}-([0-9]{12})\.([0-9]{8})\.json", re.ASCII)
+_ATTEMPT_NAME = re.compile(r"([0-9]{8})\.json", re.ASCII)
+
+
+def _commit_name(version: int, step: int, attempt: int) -> str:
+    plain = f"{step:012d}.{attempt:08d}.json"
+    return plain if version < 2 else f"{10**12 - 1 - step:012d}.{10**8 - 1 - attempt:08d}-{plain}"
 
 
 @dataclass(frozen=True)
@@ -53,12 +60,15 @@ def raw_commits(backend: Backend, run_id: str, *, skip: Container[str] = ()) -> 
     oldest step first, read raw."""
     out: list[RawCommit] = []
     prefix = f"{run_id}/commits/"
-    name = _COMMIT_NAME_V2 if _run_version(backend, run_id) >= 2 else _COMMIT_NAME
+    version = _run_version(backend, run_id)
+    name = _COMMIT_NAME_V2 if version >= 2 else _COMMIT_NAME
     for o in backend.list(prefix):
-        m = name.match(o.key[len(prefix) :])
+        m = name.fullmatch(o.key[len(prefix) :])
         if m is None or o.key in skip:
             continue
         step, attempt = int(m.group(1)), int(m.group(2))
+        if attempt < 1 or o.key != prefix + _commit_name(version, step, attempt):
+            continue  # another spelling of a real commit's name: not a commit record
         try:
             data = backend.get(o.key)
         except NotFoundError:
@@ -155,8 +165,8 @@ def raw_attempts(backend: Backend, run_id: str) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     prefix = f"{run_id}/attempts/"
     for o in backend.list(prefix):
-        m = _ATTEMPT_NAME.match(o.key[len(prefix) :])
-        if m is None:
+        m = _ATTEMPT_NAME.fullmatch(o.key[len(prefix) :])
+        if m is None or o.key != f"{prefix}{int(m.group(1)):08d}.json":
             continue
         try:
             rec = json.loads(backend.get(o.key).decode("utf-8"))

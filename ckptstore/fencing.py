@@ -67,7 +67,7 @@ class AttemptLog:
         records: dict[int, AttemptRecord] = {}
         unreadable: dict[int, str] = {}
         prefix = attempts_prefix(self.io.run_id)
-        for key in self.io.list_keys(prefix):
+        for key in self.io.list_keys(prefix, flat=True):  # flat: a folder planted there is not walked
             n = parse_attempt_name(key[len(prefix) :])
             if n is None:
                 continue

@@ -50,7 +50,7 @@ class Ledger:
         """Every readable entry, oldest first."""
         out: list[EventRecord] = []
         skipped = 0
-        listed = self.io.list(events_prefix(self.io.run_id))
+        listed = self.io.list(events_prefix(self.io.run_id), flat=True)
         for i, o in enumerate(sorted(listed, key=lambda o: o.key)):
             if i >= MAX_EVENTS or parse_event_name(o.key.rsplit("/", 1)[-1]) is None:
                 skipped += 1

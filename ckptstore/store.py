@@ -23,7 +23,7 @@ from typing import Any, Literal, overload
 from .authn import RecordAuth
 from .backends.base import Backend
 from .catalog import Catalog
-from .errors import InvalidInputError
+from .errors import CkptStoreError, InvalidInputError, LimitReachedError, ResumeRefusedError
 from .fencing import AttemptLog
 from .gcrun import GcReport, collect
 from .guards import check_can_write, check_metadata, check_open_args
@@ -118,10 +118,22 @@ class CheckpointStore:
                 self.attempt = self._attempts.read(join_attempt)
             else:
                 memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
-                self.attempt, self.resumed_from = self._attempts.register(
-                    self.writer_id, resume_from,
-                    lambda view: self._catalog.select(self._resume_deep, view, explain=False, memo=memo).latest,
-                )
+                try:
+                    self.attempt, self.resumed_from = self._attempts.register(
+                        self.writer_id, resume_from,
+                        lambda view: self._catalog.resume_point(self._resume_deep, view, memo),
+                    )
+                except (ResumeRefusedError, LimitReachedError) as exc:
+                    self._record_refusal(exc)
+                    raise
+
+    def _record_refusal(self, exc: CkptStoreError) -> None:
+        """Record in the ledger why this writer's open was refused (best effort:
+        the refusal itself is what the caller gets)."""
+        try:
+            self.record_event("resume-refused", {"writer_id": self.writer_id, "error": str(exc)[:2000]})
+        except CkptStoreError:
+            pass
 
     # ------------------------------------------------------------------ open
     @classmethod

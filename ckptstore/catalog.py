@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .authn import RecordAuth
 from .backends.base import ObjectInfo
 from .commits import CommitKeys
-from .errors import CorruptionError, LimitReachedError, NotFoundError, ResumeRefusedError
+from .errors import CorruptionError, LimitReachedError, NotFoundError
 from .fencing import AttemptLog, AttemptView
 from .protocol import (
     CommitRecord,
@@ -34,7 +34,6 @@ from .protocol import (
 from .protocol.records import MAX_COMMIT_RECORD
 from .protocol.selection import (
     MAX_CANDIDATES,
-    MAX_REPORTED_SKIPS,
     SaveInfo,
     SaveRef,
     SaveState,
@@ -48,6 +47,7 @@ from .protocol.selection import (
     uncommitted_state,
 )
 from .runio import RunIO
+from .selectlimits import NameSkips, gave_up
 
 Problems = list[tuple[SkipReason, str]]
 #: Commit records a store keeps decoded (:class:`RecordCache`), counted by
@@ -130,46 +130,6 @@ class Candidate:
     ref: SaveRef | None
     problems: Problems
     save_id: str | None
-
-
-#: the reasons of candidates skipped by name (in ``select``, no record read gets them)
-BY_NAME = (SkipReason.UNREGISTERED_ATTEMPT, SkipReason.SUPERSEDED)
-
-
-class NameSkips:
-    """The candidates selection skips by name (PROTOCOL.md §4.4): made by an
-    attempt that was never registered, or superseded by a later registered
-    attempt (§5). Their state follows from the name and the attempt records,
-    so their records are not read and they do not count against
-    :data:`MAX_CANDIDATES` (a rolled-back run's thousand superseded commits
-    cost a listing, never the selection). Kept: the first
-    :data:`MAX_REPORTED_SKIPS` as skips, the count, and the names."""
-
-    def __init__(self, view: AttemptView) -> None:
-        self.view = view
-        self.skips: list[Skip] = []
-        self.count = 0
-        self.names: set[tuple[int, int]] = set()
-
-    def reason(self, step: int, attempt: int) -> tuple[SkipReason, str] | None:
-        if attempt not in self.view.records and attempt not in self.view.unreadable:
-            return SkipReason.UNREGISTERED_ATTEMPT, f"made by attempt {attempt}, which was never registered (record not read)"
-        later = superseded_by(step, attempt, self.view.effective)
-        if later is not None:
-            return SkipReason.SUPERSEDED, f"{describe_superseder(later)} (record not read)"
-        return None
-
-    def filter(self, order: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-        """``order`` without the candidates skipped by name (recorded here)."""
-        for step, attempt in order:
-            why = self.reason(step, attempt)
-            if why is None:
-                yield step, attempt
-                continue
-            self.count += 1
-            self.names.add((step, attempt))
-            if len(self.skips) < MAX_REPORTED_SKIPS:
-                self.skips.append(Skip(step, attempt, None, why[0], why[1]))
 
 
 class Catalog:
@@ -358,7 +318,7 @@ class Catalog:
                 break
             skipped.append(Skip(c.step, c.attempt, c.save_id, c.problems[0][0], "; ".join(d for _, d in c.problems)))
             if read >= MAX_CANDIDATES:
-                raise self._gave_up(skipped, by_name.count)
+                raise gave_up(self.io.run_id, MAX_CANDIDATES, skipped, by_name.count)
         if keys.junk:
             notes.append(f"{keys.junk} name(s) under commits/ are not commit records of this run's layout; ignored")
         if explain:
@@ -368,39 +328,6 @@ class Catalog:
                 notes.append(f"uncommitted saves not reported: {exc}")
         shown, more = bound_skips(skipped + by_name.skips)
         return Selection(chosen, shown, more + by_name.count - len(by_name.skips), tuple(notes), read - (chosen is not None))
-
-    def resume_point(self, deep: bool, attempts: AttemptView, memo: set[str] | None = None) -> SaveRef | None:
-        """What a writer opening with ``resume_from="latest"`` resumes from
-        (PROTOCOL.md §4.2): the selected save, or None when the run's history
-        has no commit at all. A history with commits none of which can be
-        selected raises :class:`ResumeRefusedError` (a fresh start would
-        supersede them), as selection giving up raises :class:`LimitReachedError`."""
-        sel = self.select(deep, attempts, explain=False, memo=memo)
-        if sel.latest is None and sel.unusable:
-            shown = "; ".join(f"step {k.step} attempt {k.attempt}: {k.reason.value}: {k.detail[:160]}"
-                              for k in sel.skipped if k.reason not in BY_NAME)
-            raise ResumeRefusedError(
-                f"run {self.io.run_id!r} has {sel.unusable} commit record(s) in its history and none can be "
-                f"selected ({shown[:600]}); resuming from 'latest' would start over from step 0 and supersede "
-                "them. Nothing was registered. Inspect them with `ckptstore ls` (and `ckptstore verify`): repair "
-                "or remove the records that are not yours, or open the writer with an explicit resume point "
-                "(resume_from=<step>, or resume_from=None to start over deliberately)."
-            )
-        return sel.latest
-
-    def _gave_up(self, skipped: list[Skip], by_name: int) -> LimitReachedError:
-        """The error when :data:`MAX_CANDIDATES` records were read and none can be selected
-        (PROTOCOL.md §4.4: selection gave up; never "no save")."""
-        newest = "; ".join(f"step {k.step} attempt {k.attempt}: {k.reason.value}: {k.detail[:120]}" for k in skipped[:3])
-        oldest = skipped[-1]
-        return LimitReachedError(
-            f"run {self.io.run_id!r}: selection gave up: the {MAX_CANDIDATES} newest candidate commit records it "
-            f"read (steps {oldest.step}..{skipped[0].step}; {by_name} superseded or unregistered ones skipped "
-            f"by name) cannot be used ({newest}), and older ones were not tried. This is not \"no save\": "
-            "nothing was selected and no attempt was registered. `ckptstore ls` lists every commit with its "
-            "state; remove the records that are not yours, or open the writer with an explicit resume point "
-            "(resume_from=<step> of a save you trust, or resume_from=None to start over deliberately)."
-        )
 
     def _uncommitted_after(
         self, chosen: SaveRef | None, committed_ids: set[str], unread: set[tuple[int, int]]

@@ -23,7 +23,7 @@ from typing import Any, Literal, overload
 from .authn import RecordAuth
 from .backends.base import Backend
 from .catalog import Catalog
-from .errors import CkptStoreError, InvalidInputError, LimitReachedError, ResumeRefusedError
+from .errors import InvalidInputError
 from .fencing import AttemptLog
 from .gcrun import GcReport, collect
 from .guards import check_can_write, check_metadata, check_open_args
@@ -42,6 +42,7 @@ from .protocol import (
 from .protocol.auth import AuthPolicy, Keyring
 from .protocol.selection import SaveInfo, SaveRef, Selection
 from .reader import Reader, VerifyReport
+from .resumepoint import resume_point
 from .retry import RetryPolicy
 from .runbind import bind_identity, read_identity, read_run_record
 from .runio import RunIO
@@ -118,22 +119,10 @@ class CheckpointStore:
                 self.attempt = self._attempts.read(join_attempt)
             else:
                 memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
-                try:
-                    self.attempt, self.resumed_from = self._attempts.register(
-                        self.writer_id, resume_from,
-                        lambda view: self._catalog.resume_point(self._resume_deep, view, memo),
-                    )
-                except (ResumeRefusedError, LimitReachedError) as exc:
-                    self._record_refusal(exc)
-                    raise
-
-    def _record_refusal(self, exc: CkptStoreError) -> None:
-        """Record in the ledger why this writer's open was refused (best effort:
-        the refusal itself is what the caller gets)."""
-        try:
-            self.record_event("resume-refused", {"writer_id": self.writer_id, "error": str(exc)[:2000]})
-        except CkptStoreError:
-            pass
+                self.attempt, self.resumed_from = self._attempts.register(
+                    self.writer_id, resume_from,
+                    lambda v: resume_point(self._catalog, v, self._resume_deep, memo, self._ledger, self.writer_id),
+                )
 
     # ------------------------------------------------------------------ open
     @classmethod

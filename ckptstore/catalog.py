@@ -307,7 +307,7 @@ class Catalog:
         committed_ids: set[str] = set()
         chosen: SaveRef | None = None
         notes = list(view.notes())
-        by_name = NameSkips(view)
+        by_name = NameSkips(view, keep_names=explain)
         read = 0
         for c in self.walk(scan, deep, order=by_name.filter(keys.newest_first())):
             read += 1  # only candidates whose record was read count against the bound

@@ -24,11 +24,12 @@ class NameSkips:
     state follows from the name and the attempt records, so their records are
     not read and they do not count against the candidate bound (a rolled-back
     run's thousand superseded commits cost a listing, never the selection).
-    Kept: the first :data:`MAX_REPORTED_SKIPS` as skips, the count, and the
-    names."""
+    Kept: the first :data:`MAX_REPORTED_SKIPS` as skips, the count, and (with
+    ``keep_names``: the ``explain`` report needs them) the names."""
 
-    def __init__(self, view: AttemptView) -> None:
+    def __init__(self, view: AttemptView, *, keep_names: bool = False) -> None:
         self.view = view
+        self.keep_names = keep_names
         self.skips: list[Skip] = []
         self.count = 0
         self.names: set[tuple[int, int]] = set()
@@ -49,7 +50,8 @@ class NameSkips:
                 yield step, attempt
                 continue
             self.count += 1
-            self.names.add((step, attempt))
+            if self.keep_names:
+                self.names.add((step, attempt))
             if len(self.skips) < MAX_REPORTED_SKIPS:
                 self.skips.append(Skip(step, attempt, None, why[0], why[1]))
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .authn import RecordAuth
 from .backends.base import ObjectInfo
 from .commits import CommitKeys
-from .errors import CorruptionError, NotFoundError
+from .errors import CorruptionError, LimitReachedError, NotFoundError
 from .fencing import AttemptLog, AttemptView
 from .protocol import (
     CommitRecord,
@@ -48,6 +48,7 @@ from .protocol.selection import (
     uncommitted_state,
 )
 from .runio import RunIO
+from .selectlimits import NameSkips, gave_up
 
 Problems = list[tuple[SkipReason, str]]
 #: Commit records a store keeps decoded (:class:`RecordCache`), counted by
@@ -320,13 +321,10 @@ class Catalog:
         tried: set[tuple[int, int]] = set()  # (step, attempt) of every candidate tried
         chosen: SaveRef | None = None
         notes = list(view.notes())
+        by_name = NameSkips(view, keep_names=explain)
         read = 0
-        for c in self.walk(scan, deep, order=keys.newest_first()):
-            if c.problems and c.problems[0][0] is not SkipReason.UNREGISTERED_ATTEMPT:
-                read += 1  # only candidates whose record was read count against the bound
-            if read > MAX_CANDIDATES:
-                notes.append(f"gave up after reading {MAX_CANDIDATES} candidate commits; older ones were not tried")
-                break
+        for c in self.walk(scan, deep, order=by_name.filter(keys.newest_first())):
+            read += 1  # only candidates whose record was read count against the bound
             if c.save_id:
                 committed_ids.add(c.save_id)
             tried.add((c.step, c.attempt))
@@ -334,20 +332,26 @@ class Catalog:
                 chosen = c.ref
                 break
             skipped.append(Skip(c.step, c.attempt, c.save_id, c.problems[0][0], "; ".join(d for _, d in c.problems)))
+            if read >= MAX_CANDIDATES:
+                raise gave_up(self.io.run_id, MAX_CANDIDATES, skipped, by_name.count)
         if keys.junk:
             notes.append(f"{keys.junk} name(s) under commits/ are not commit records of this run's layout; ignored")
         if explain:
-            skipped += self._uncommitted_after(chosen, committed_ids, tried)
-        shown, more = bound_skips(skipped)
-        return Selection(chosen, shown, more, tuple(notes))
+            try:
+                skipped += self._uncommitted_after(chosen, committed_ids, tried | by_name.names)
+            except LimitReachedError as exc:  # the report of uncommitted saves only; the choice stands
+                notes.append(f"uncommitted saves not reported: {exc}")
+        shown, more = bound_skips(skipped + by_name.skips)
+        return Selection(chosen, shown, more + by_name.count - len(by_name.skips), tuple(notes), read - (chosen is not None))
 
     def _uncommitted_after(
-        self, chosen: SaveRef | None, committed_ids: set[str], tried: set[tuple[int, int]]
+        self, chosen: SaveRef | None, committed_ids: set[str], known: set[tuple[int, int]]
     ) -> list[Skip]:
         """Uncommitted saves newer than ``chosen`` (their IDs carry step and
         attempt, and sort by them): the save keys listed from just after it.
-        A save whose (step, attempt) has a commit key that was tried is not
-        one: that candidate's own skip says why it was not selected."""
+        ``known``: (step, attempt) of every commit key that was tried (that
+        candidate's own skip says why it was not selected) or skipped by name
+        (its save ID is not known): their saves are not reported as uncommitted."""
         sp = saves_prefix(self.io.run_id)
         after = f"{sp}{chosen.step:012d}-{chosen.attempt:08d}-~" if chosen is not None else ""
         counts: dict[str, int] = {}
@@ -358,9 +362,9 @@ class Catalog:
         out = []
         for sid, n in counts.items():
             sa = parse_save_id(sid)
-            if sid in committed_ids or sa is None or sa in tried:
-                continue
-            if chosen is not None and sa <= (chosen.step, chosen.attempt):
+            if sid in committed_ids or sa is None or sa in known or (
+                chosen is not None and sa <= (chosen.step, chosen.attempt)
+            ):
                 continue
             out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{n} component(s) written, no commit record"))
         return out

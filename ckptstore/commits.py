@@ -13,6 +13,9 @@ are not ckptstore's: skipped, counted in :attr:`CommitKeys.junk`, never read.
 They cost listing only (a thousand of them one more request at most), never a
 record read, and cannot hide a real commit: paging goes on past them.
 
+The prefix is flat (PROTOCOL.md §1.1): it is listed one level, so folders
+planted under it (a chain thousands deep) are neither walked nor counted.
+
 The walk relies on the listing's order for the names it parses (fixed width,
 one folder: byte order and an S3 server's folder-by-folder order agree), and
 checks it: a name out of order, or a page that does not advance, is an error
@@ -53,11 +56,11 @@ class CommitKeys:
         """Keys after ``start_after``, ascending, a page at a time as the
         caller goes on (stop iterating and no further page is asked for)."""
         if not self.io.backend.capabilities.list_pages:
-            yield self.io.list_keys(self.prefix, start_after=start_after)
+            yield self.io.list_keys(self.prefix, start_after=start_after, flat=True)
             return
         size = FIRST_PAGE
         while True:
-            keys = self.io.list_keys(self.prefix, start_after=start_after, limit=size)
+            keys = self.io.list_keys(self.prefix, start_after=start_after, limit=size, flat=True)
             yield keys
             if len(keys) < size:
                 return
@@ -77,7 +80,7 @@ class CommitKeys:
         if not self.io.layout.newest_first:
             # every name listed first; names are of fixed width, so in descending
             # byte order (sorted here, not trusted) they come newest first
-            for k in sorted(self.io.list_keys(self.prefix), reverse=True):
+            for k in sorted(self.io.list_keys(self.prefix, flat=True), reverse=True):
                 sa = self._parse(k)
                 if sa is not None:
                     yield sa
@@ -121,7 +124,7 @@ class CommitKeys:
         """Every commit with its listing entry (size, time): one full listing."""
         self.junk = 0
         out: dict[tuple[int, int], ObjectInfo] = {}
-        for o in self.io.list(self.prefix):
+        for o in self.io.list(self.prefix, flat=True):
             sa = self._parse(o.key)
             if sa is not None:
                 out[sa] = o

@@ -32,6 +32,23 @@ class TransientError(StoreUnavailableError):
     retries with bounded exponential backoff above the backend."""
 
 
+class LimitReachedError(StoreUnavailableError):
+    """A bound on the work ckptstore does for one operation was reached: more
+    candidate commit records than selection reads, a directory chain deeper
+    than any key of the protocol. Never taken for "nothing there": nothing was
+    selected, registered or deleted. The message names what was found and the
+    way out (records to remove, an explicit resume point)."""
+
+
+class ResumeRefusedError(CkptStoreError):
+    """A writer's open with ``resume_from="latest"`` was refused: the run has
+    commits in its history but none can be selected, and starting from nothing
+    would supersede them (and the trainer's retention would then delete them).
+    Nothing was registered; the refusal is recorded in the run's ledger
+    (``resume-refused``). The message names the newest candidates and the way
+    out: repair or remove them, or pass an explicit ``resume_from``."""
+
+
 class UnsupportedBackendError(CkptStoreError):
     """The backend lacks a capability the operation needs (for example an
     atomic create-if-absent, without which ckptstore refuses to commit)."""

@@ -278,15 +278,17 @@ class FaultyBackend(Backend):
         self._end(n, "create", key, "created" if created else "exists")
         return created
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
+    def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]:
         n, _ = self._begin("list", prefix)
-        out = self.inner.list(prefix)
+        out = self.inner.list(prefix, flat=flat)
         self._end(n, "list", prefix, f"{len(out)} objects")
         return out
 
-    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
+    def list_keys(
+        self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False
+    ) -> builtins.list[str]:
         n, _ = self._begin("list_keys", prefix)
-        out = self.inner.list_keys(prefix, start_after=start_after, limit=limit)
+        out = self.inner.list_keys(prefix, start_after=start_after, limit=limit, flat=flat)
         self._end(n, "list_keys", prefix, f"{len(out)} keys")
         return out
 

@@ -74,7 +74,7 @@ class AttemptLog:
         unreadable: dict[int, str] = {}
         junk = 0
         prefix = attempts_prefix(self.io.run_id)
-        for key in self.io.list_keys(prefix):
+        for key in self.io.list_keys(prefix, flat=True):  # flat: a folder planted there is not walked
             n = attempt_of_key(self.io.run_id, key)  # the canonical key only, never a twin
             if n is None:
                 junk += 1

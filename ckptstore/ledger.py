@@ -51,7 +51,7 @@ class Ledger:
         out: list[EventRecord] = []
         skipped = 0
         prefix = events_prefix(self.io.run_id)
-        listed = self.io.list(prefix)
+        listed = self.io.list(prefix, flat=True)
         for i, o in enumerate(sorted(listed, key=lambda o: o.key)):
             # the canonical name, directly under events/ (never a sub-folder's key)
             if i >= MAX_EVENTS or parse_event_name(o.key[len(prefix) :]) is None:

@@ -50,12 +50,19 @@ class RunIO:
         return f"{self.backend.url.rstrip('/')}/{key}"
 
     # ------------------------------------------------------------ plain ops
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        return self.retry.call(lambda: self.backend.list(prefix))
+    def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]:
+        if not flat:
+            return self.retry.call(lambda: self.backend.list(prefix))
+        return self.retry.call(lambda: self.backend.list(prefix, flat=True))
 
-    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
-        """Keys under ``prefix`` after ``start_after``, ascending, names only (``Backend.list_keys``)."""
-        return self.retry.call(lambda: self.backend.list_keys(prefix, start_after=start_after, limit=limit))
+    def list_keys(
+        self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False
+    ) -> builtins.list[str]:
+        """Keys under ``prefix`` after ``start_after``, ascending, names only (``Backend.list_keys``;
+        ``flat``: only those directly under it)."""
+        if not flat:
+            return self.retry.call(lambda: self.backend.list_keys(prefix, start_after=start_after, limit=limit))
+        return self.retry.call(lambda: self.backend.list_keys(prefix, start_after=start_after, limit=limit, flat=True))
 
     def size(self, key: str) -> int:
         return self.retry.call(lambda: self.backend.size(key))

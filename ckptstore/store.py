@@ -42,6 +42,7 @@ from .protocol import (
 from .protocol.auth import AuthPolicy, Keyring
 from .protocol.selection import SaveInfo, SaveRef, Selection
 from .reader import Reader, VerifyReport
+from .resumepoint import resume_point
 from .retry import RetryPolicy
 from .runbind import bind_identity, read_identity, read_run_record
 from .runio import RunIO
@@ -120,7 +121,7 @@ class CheckpointStore:
                 memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
                 self.attempt, self.resumed_from = self._attempts.register(
                     self.writer_id, resume_from,
-                    lambda view: self._catalog.select(self._resume_deep, view, explain=False, memo=memo).latest,
+                    lambda v: resume_point(self._catalog, v, self._resume_deep, memo, self._ledger, self.writer_id),
                 )
 
     # ------------------------------------------------------------------ open

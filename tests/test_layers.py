@@ -37,11 +37,13 @@ CORE_ORDER = [
     "runbind",
     "fencing",
     "commits",
+    "selectlimits",
     "catalog",
     "writer",
     "reader",
     "gcrun",
     "ledger",
+    "resumepoint",
     "signrun",
     "store",
 ]

@@ -33,6 +33,7 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import MemoryBackend
+from ckptstore.errors import ResumeRefusedError
 from ckptstore.faults import Crashed, FaultyBackend
 from ckptstore.retry import RetryPolicy
 
@@ -81,6 +82,10 @@ class Model:
         s = self.selectable()
         return s[0] if s else None
 
+    def in_history(self) -> list[Commit]:
+        """Commits a fresh start would supersede (a writer resuming from "latest" refuses to)."""
+        return [c for c in self.commits.values() if not (c.removed or self.superseded(c))]
+
 
 BACKEND_FACTORY: Callable[[], Backend] | None = None
 
@@ -106,6 +111,10 @@ class StoreMachine(RuleBasedStateMachine):
     # -- helpers -----------------------------------------------------------
     def _open_writer(self, resume_from: object) -> CheckpointStore:
         self.fb = FaultyBackend(self.inner)  # a fresh process: no faults pending
+        if resume_from == "latest" and self.model.expected_latest() is None and self.model.in_history():
+            with pytest.raises(ResumeRefusedError):  # never a silent fresh start over the run's commits
+                CheckpointStore.open(self.fb, RUN, identity=IDENT, retry=FAST)
+            resume_from = None  # the refusal's way out: the operator starts over deliberately
         w = CheckpointStore.open(self.fb, RUN, identity=IDENT, resume_from=resume_from, retry=FAST)  # type: ignore[arg-type]
         assert w.attempt is not None
         self.model.attempts[w.attempt.number] = w.attempt.resumed_from

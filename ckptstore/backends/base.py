@@ -28,6 +28,15 @@ Contract (each backend's conformance tests check it):
   lists folder by folder, as SeaweedFS does, departs from byte order only
   where a name continues with a character below '/' while a sibling descends
   into a folder; ckptstore's own names never do.)
+* ``flat=True`` (``list`` and ``list_keys``): only the keys directly under
+  ``prefix`` (no '/' after it); nothing below is walked or asked for (a
+  delimiter listing on object stores, one directory read on a disk). The
+  prefixes whose names are flat (``commits/``, ``attempts/``, ``events/``)
+  are listed so: a planted folder chain there is not walked at all.
+* A recursive listing never goes deeper than :data:`MAX_KEY_DEPTH` folders
+  below the listed prefix: a deeper key raises
+  :class:`~ckptstore.errors.LimitReachedError` (never a crash, never a
+  shorter listing taken for the whole). Walks are iterative.
 * ``get_many(keys, max_bytes)`` is ``get_range(key, 0, max_bytes)`` of each
   key, None where there is no such object, in one call (concurrent requests,
   one folder resolution): how ``list_saves`` and gc read many records.
@@ -47,6 +56,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 Buffer = bytes | bytearray | memoryview
+
+#: Folders a recursive listing descends below its prefix. No key of the
+#: protocol is this deep (a component name is at most 512 characters, so at
+#: most 256 segments, under ``<run>/saves/<save>/``); a deeper chain is not
+#: ckptstore's and stops the listing with an error.
+MAX_KEY_DEPTH = 300
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,31 @@ def byte_limits(keys: Sequence[str], max_bytes: int | Sequence[int]) -> builtins
 
         raise InvalidInputError(f"get_many: {len(limits)} bounds for {len(keys)} keys")
     return limits
+
+
+def too_deep(url: str, where: str) -> Exception:
+    """The error for a folder chain deeper than :data:`MAX_KEY_DEPTH` at ``where``."""
+    from ..errors import LimitReachedError
+
+    return LimitReachedError(
+        f"{url}: a chain of folders deeper than {MAX_KEY_DEPTH} levels under {where[:200]!r}: no ckptstore key "
+        "is that deep, so it is not ckptstore's; the listing stopped there (nothing was selected or deleted "
+        "from it). Remove the chain by hand."
+    )
+
+
+def check_depth(url: str, prefix: str, keys: Iterable[str]) -> None:
+    """Raise :func:`too_deep` if a key lies more than :data:`MAX_KEY_DEPTH` folders below ``prefix``."""
+    cut = prefix.rfind("/") + 1
+    for k in keys:
+        if k.count("/", cut) > MAX_KEY_DEPTH:
+            raise too_deep(url, k[: cut + 200])
+
+
+def only_flat(prefix: str, keys: Iterable[str]) -> builtins.list[str]:
+    """The keys directly under ``prefix`` (no '/' after it)."""
+    n = len(prefix)
+    return [k for k in keys if "/" not in k[n:]]
 
 
 @dataclass(frozen=True)
@@ -127,15 +167,15 @@ class Backend(abc.ABC):
     def create(self, key: str, data: bytes) -> bool: ...
 
     @abc.abstractmethod
-    def list(self, prefix: str) -> list[ObjectInfo]: ...
+    def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]: ...
 
     def list_keys(
-        self, prefix: str, *, start_after: str = "", limit: int | None = None
+        self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False
     ) -> builtins.list[str]:
         """Keys under ``prefix`` greater than ``start_after``, ascending, at
         most ``limit`` (see the module docstring). This default derives them
         from :meth:`list`; backends that can page or skip the stat override it."""
-        keys = [o.key for o in self.list(prefix) if o.key > start_after]
+        keys = [o.key for o in self.list(prefix, flat=flat) if o.key > start_after]
         return keys if limit is None else keys[: max(0, limit)]
 
     def get_many(self, keys: Sequence[str], max_bytes: int | Sequence[int]) -> builtins.list[bytes | None]:

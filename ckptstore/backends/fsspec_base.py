@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from ..errors import TransientError as TransientError
 from ..redact import redact_text, redact_url
-from .base import Backend, Buffer, Capabilities, ObjectInfo, byte_limits, check_key
+from .base import Backend, Buffer, Capabilities, ObjectInfo, byte_limits, check_depth, check_key
 
 _TRANSIENT_NAMES = (
     "ConnectionError",
@@ -242,13 +242,17 @@ class FsspecBackend(Backend):
         object existed (HTTP 412); other failures through :meth:`_raise`."""
         raise NotImplementedError
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        # list the deepest "directory" of the prefix, then filter by the full prefix
+    def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]:
+        # list the deepest "directory" of the prefix (flat: one delimiter listing of it), then
+        # filter by the full prefix
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = f"{self.root}/{base}" if base else self.root
         self._invalidate(top)
         try:
-            found = self.fs.find(top, detail=True)
+            if flat:
+                found = {i["name"]: i for i in self.fs.ls(top, detail=True) if i.get("type") != "directory"}
+            else:
+                found = self.fs.find(top, detail=True)
         except FileNotFoundError:
             return []
         except Exception as exc:  # noqa: BLE001
@@ -262,6 +266,10 @@ class FsspecBackend(Backend):
             if not key.startswith(prefix):
                 continue
             out.append(ObjectInfo(key, int(info.get("size") or 0), mtime_of(info)))
+        if flat:
+            out = [o for o in out if "/" not in o.key[len(prefix) :]]
+        else:
+            check_depth(self.url, prefix, (o.key for o in out))
         out.sort(key=lambda o: o.key)
         return out
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import InvalidInputError
 from ..redact import redact_text, redact_url
+from .base import check_depth
 from .fsspec_base import FsspecBackend, finish_backend, prepare_options, status_of
 
 
@@ -22,11 +23,16 @@ class GCSBackend(FsspecBackend):
     scheme = "gs"
     endpoint_env = ("STORAGE_EMULATOR_HOST",)
 
-    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> list[str]:
+    def list_keys(
+        self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False
+    ) -> list[str]:
         """One JSON-API listing request per page (``startOffset``, which is
-        inclusive, ``maxResults``, then the page token), names only."""
+        inclusive, ``maxResults``, then the page token), names only.
+        ``flat``: ``delimiter='/'``, the folders below are neither listed nor walked."""
         pfx = self._bucket_key(prefix)
         params: dict[str, Any] = {"prefix": pfx, "fields": "items(name),nextPageToken"}
+        if flat:
+            params["delimiter"] = "/"
         skip = self._bucket_key(start_after) if start_after else None
         if skip is not None:
             params["startOffset"] = skip
@@ -38,7 +44,8 @@ class GCSBackend(FsspecBackend):
                 page = self.fs.call("GET", "b/{}/o", self.bucket, json_out=True, **params)
                 for item in page.get("items", []) or []:
                     name = item.get("name", "") if isinstance(item, dict) else ""
-                    if name != skip and name.startswith(pfx) and not name.endswith("/"):
+                    if name != skip and name.startswith(pfx) and not name.endswith("/") \
+                            and not (flat and "/" in name[len(pfx) :]):
                         out.append(self._key(f"{self.bucket}/{name}"))
                 token = page.get("nextPageToken")
                 if not token:
@@ -47,6 +54,8 @@ class GCSBackend(FsspecBackend):
         except Exception as exc:  # noqa: BLE001
             self._raise(exc, "list", prefix)
             raise
+        if not flat:
+            check_depth(self.url, prefix, out)
         return out if limit is None else out[: max(0, limit)]
 
     def _create(self, path: str, data: bytes) -> bool:

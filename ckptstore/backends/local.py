@@ -178,13 +178,13 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise self._os_error(exc, key) from exc
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        # prefix may end mid-name; walk the deepest existing directory.
+    def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]:
+        # prefix may end mid-name; walk the deepest existing directory (flat: read it alone).
         top = self._list_top(prefix)
         out: list[ObjectInfo] = []
         if top is None:
             return out
-        for dirpath, files in self.ops.walk_stat(top):
+        for dirpath, files in self.ops.walk_stat(top, descend=not flat):
             rel = self._rel_dir(dirpath)
             for f, size, mtime in files:
                 key = rel + f
@@ -193,15 +193,17 @@ class LocalBackend(Backend):
         out.sort(key=lambda o: o.key)
         return out
 
-    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
+    def list_keys(
+        self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False
+    ) -> builtins.list[str]:
         """Names only: the directory entries' types tell files from the rest,
         nothing is stat'ed; folders whose keys all sort before ``start_after``
-        are not entered."""
+        are not entered (``flat``: none is)."""
         top = self._list_top(prefix)
         if top is None:
             return []
         keys: builtins.list[str] = []
-        for dirpath, dirs, files in self.ops.walk(top):
+        for dirpath, dirs, files in self.ops.walk(top, descend=not flat):
             rel = self._rel_dir(dirpath)
             if start_after:  # prune: every key in folder rel+d+'/' sorts before start_after
                 dirs[:] = [d for d in dirs if (p := rel + d + "/") > start_after or start_after.startswith(p)]
@@ -290,7 +292,9 @@ class LocalBackend(Backend):
         out: builtins.list[str] = []
         if not self.ops.is_dir(top):
             return out
-        for dirpath, _dirs, files in self.ops.walk(top):
+        # a temporary file lies next to the key it becomes, never deeper than any key: a
+        # folder chain below that is not searched (prune_deep), never an error for gc
+        for dirpath, _dirs, files in self.ops.walk(top, prune_deep=True):
             for f in files:
                 if TMP_MARK not in f:
                     continue

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 
 from ..errors import NotFoundError
-from .base import Backend, Buffer, Capabilities, ObjectInfo
+from .base import Backend, Buffer, Capabilities, ObjectInfo, check_depth, only_flat
 
 
 class MemoryBackend(Backend):
@@ -47,15 +47,26 @@ class MemoryBackend(Backend):
             self._objects[key] = (bytes(data), time.time())
             return True
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
+    def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]:
         with self._lock:
-            return [
-                ObjectInfo(k, len(v[0]), v[1]) for k, v in sorted(self._objects.items()) if k.startswith(prefix)
-            ]
+            found = [(k, v) for k, v in sorted(self._objects.items()) if k.startswith(prefix)]
+        keys = [k for k, _ in found]
+        if flat:
+            keep = set(only_flat(prefix, keys))
+            found = [(k, v) for k, v in found if k in keep]
+        else:
+            check_depth(self.url, prefix, keys)
+        return [ObjectInfo(k, len(v[0]), v[1]) for k, v in found]
 
-    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> builtins.list[str]:
+    def list_keys(
+        self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False
+    ) -> builtins.list[str]:
         with self._lock:
             keys = sorted(k for k in self._objects if k.startswith(prefix) and k > start_after)
+        if flat:
+            keys = only_flat(prefix, keys)
+        else:
+            check_depth(self.url, prefix, keys)
         return keys if limit is None else keys[: max(0, limit)]
 
     def size(self, key: str) -> int:

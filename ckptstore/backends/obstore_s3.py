@@ -57,7 +57,7 @@ from ..errors import (
     UnsupportedBackendError,
 )
 from ..redact import redact_text, redact_url
-from .base import Backend, Buffer, Capabilities, ObjectInfo, check_key
+from .base import Backend, Buffer, Capabilities, ObjectInfo, check_depth, check_key
 from .fsspec_base import PART_SIZE, probe_endpoint
 
 #: Parts uploaded at once by one component upload (as :mod:`.s3`).
@@ -211,15 +211,20 @@ class ObstoreS3Backend(Backend):
             self._raise(exc, "conditional create", key)
             raise
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
+    def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]:
         import obstore
 
-        # list the deepest "directory" of the prefix (obstore lists whole path segments), then filter
+        # list the deepest "directory" of the prefix (obstore lists whole path segments; flat:
+        # one delimiter listing of it), then filter
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = "/".join(p for p in (self.prefix, base) if p)
         out = []
         try:
-            for batch in obstore.list(self.store, prefix=top or None):
+            if flat:
+                batches: Iterable[Any] = [obstore.list_with_delimiter(self.store, prefix=top or None)["objects"]]
+            else:
+                batches = obstore.list(self.store, prefix=top or None)
+            for batch in batches:
                 for meta in batch:
                     path = meta["path"]
                     if path.endswith("/"):
@@ -230,6 +235,10 @@ class ObstoreS3Backend(Backend):
         except Exception as exc:  # noqa: BLE001
             self._raise(exc, "list", prefix)
             raise
+        if flat:
+            out = [o for o in out if "/" not in o.key[len(prefix) :]]
+        else:
+            check_depth(self.url, prefix, (o.key for o in out))
         out.sort(key=lambda o: o.key)
         return out
 

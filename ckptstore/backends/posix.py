@@ -14,7 +14,7 @@ import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-from .base import Buffer
+from .base import MAX_KEY_DEPTH, Buffer, too_deep
 
 
 class NotFollowedError(NotADirectoryError):
@@ -295,14 +295,23 @@ class PosixOps:
             return False
         return True
 
-    def walk(self, top: str) -> Iterable[tuple[str, list[str], list[str]]]:
+    def walk(
+        self, top: str, *, descend: bool = True, max_depth: int = MAX_KEY_DEPTH, prune_deep: bool = False
+    ) -> Iterable[tuple[str, list[str], list[str]]]:
         """Like ``os.walk``, but: only real directories are entered (links to
         directories are not), and only regular files are reported. Names come
-        from the directory entries' types: nothing is stat'ed."""
-        for path, dirs, files, _stats in self._walk_top(top, False):
+        from the directory entries' types: nothing is stat'ed. ``descend=False``:
+        ``top`` alone. Iterative (one open directory per level); a directory
+        with subdirectories at ``max_depth`` levels below ``top`` raises
+        :class:`~ckptstore.errors.LimitReachedError` (``prune_deep``: they are
+        not entered, for searches that nothing of ckptstore's lies below)."""
+        depth = (max_depth if descend else 0, prune_deep)
+        for path, dirs, files, _stats in self._walk_top(top, False, depth):
             yield path, dirs, files
 
-    def walk_stat(self, top: str) -> Iterator[tuple[str, list[tuple[str, int, float]]]]:
+    def walk_stat(
+        self, top: str, *, descend: bool = True, max_depth: int = MAX_KEY_DEPTH
+    ) -> Iterator[tuple[str, list[tuple[str, int, float]]]]:
         """(directory, [(file name, size, mtime), ...]) for every real directory
         under ``top``, as :meth:`walk` finds them: each regular file stat'ed
         with ``fstatat`` relative to its open directory, no link followed and
@@ -310,7 +319,7 @@ class PosixOps:
         else than a regular file since the listing is left out)."""
         if type(self).walk is not PosixOps.walk or type(self).stat is not PosixOps.stat:
             # a substituted file system (the power-loss simulator): compose its own calls
-            for dirpath, _dirs, files in self.walk(top):
+            for dirpath, _dirs, files in self.walk(top, descend=descend, max_depth=max_depth):
                 found = []
                 for f in files:
                     try:
@@ -319,10 +328,12 @@ class PosixOps:
                         continue
                 yield dirpath, found
             return
-        for path, _dirs, files, stats in self._walk_top(top, True):
+        for path, _dirs, files, stats in self._walk_top(top, True, (max_depth if descend else 0, False)):
             yield path, [(f, st[0], st[1]) for f, st in zip(files, stats, strict=True) if st[0] >= 0]
 
-    def _walk_top(self, top: str, with_stat: bool) -> Iterator[tuple[str, list[str], list[str], list[tuple[int, float]]]]:
+    def _walk_top(
+        self, top: str, with_stat: bool, depth: tuple[int, bool]
+    ) -> Iterator[tuple[str, list[str], list[str], list[tuple[int, float]]]]:
         parts = self._below(top)
         try:
             if parts is None:
@@ -331,36 +342,66 @@ class PosixOps:
                 fd = self._open_dir(parts, top)
         except OSError:
             return
-        yield from self._walk_fd(fd, os.path.abspath(top), with_stat)
+        yield from self._walk_fd(fd, os.path.abspath(top), with_stat, *depth)
 
     def _walk_fd(
-        self, fd: int, path: str, with_stat: bool
+        self, fd: int, path: str, with_stat: bool, max_depth: int, prune_deep: bool
     ) -> Iterator[tuple[str, list[str], list[str], list[tuple[int, float]]]]:
+        """Depth first, top down, without recursion: ``stack`` holds the open
+        directory of each level being walked (at most ``max_depth + 1``), each
+        with the subdirectory names still to enter (those the caller left in
+        ``dirs`` after seeing them). Subdirectories below ``max_depth`` raise,
+        or are left out with ``prune_deep`` (``max_depth=0``: ``fd`` alone,
+        its subdirectories are not entered)."""
+        stack: list[tuple[int, str, Iterator[str]]] = [(fd, path, iter(()))]
         try:
-            dirs: list[str] = []
-            files: list[str] = []
-            stats: list[tuple[int, float]] = []
-            with os.scandir(fd) as it:
-                for e in it:
-                    try:
-                        if e.is_dir(follow_symlinks=False):
-                            dirs.append(e.name)
-                        elif e.is_file(follow_symlinks=False):
-                            if with_stat:
-                                st = e.stat(follow_symlinks=False)  # fstatat(fd, name, AT_SYMLINK_NOFOLLOW)
-                                stats.append((st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else (-1, 0.0))
-                            files.append(e.name)
-                    except OSError:
-                        continue
-            yield path, dirs, files, stats
-            for name in dirs:
+            entered: str | None = path
+            while stack:
+                dfd, dpath, names = stack[-1]
+                if entered is not None:
+                    entered = None
+                    dirs, files, stats = _scan(dfd, with_stat)
+                    yield dpath, dirs, files, stats
+                    deeper = max_depth > 0 and len(stack) <= max_depth
+                    if dirs and max_depth > 0 and not deeper and not prune_deep:
+                        raise too_deep(self.root_anchor or "", os.path.join(dpath, dirs[0]))
+                    stack[-1] = (dfd, dpath, iter(list(dirs) if deeper else ()))
+                    continue
+                name = next(names, None)
+                if name is None:
+                    stack.pop()
+                    os.close(dfd)
+                    continue
                 try:
-                    sub = os.open(name, _DIRFLAGS, dir_fd=fd)
+                    sub = os.open(name, _DIRFLAGS, dir_fd=dfd)
                 except OSError:
                     continue  # vanished, or swapped for a link since the listing
-                yield from self._walk_fd(sub, os.path.join(path, name), with_stat)
+                entered = os.path.join(dpath, name)
+                stack.append((sub, entered, iter(())))
         finally:
-            os.close(fd)
+            for dfd, _p, _n in stack:
+                os.close(dfd)
+
+
+def _scan(fd: int, with_stat: bool) -> tuple[list[str], list[str], list[tuple[int, float]]]:
+    """One directory's real subdirectories and regular files (with size and
+    mtime when ``with_stat``), from its entries' types, nothing followed."""
+    dirs: list[str] = []
+    files: list[str] = []
+    stats: list[tuple[int, float]] = []
+    with os.scandir(fd) as it:
+        for e in it:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    dirs.append(e.name)
+                elif e.is_file(follow_symlinks=False):
+                    if with_stat:
+                        st = e.stat(follow_symlinks=False)  # fstatat(fd, name, AT_SYMLINK_NOFOLLOW)
+                        stats.append((st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else (-1, 0.0))
+                    files.append(e.name)
+            except OSError:
+                continue
+    return dirs, files, stats
 
 
 def _preadv_all(fd: int, out: memoryview, offset: int) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import InvalidInputError, UnsupportedBackendError
 from ..redact import redact_text, redact_url
-from .base import Buffer
+from .base import Buffer, check_depth
 from .fsspec_base import PART_SIZE, FsspecBackend, error_code, finish_backend, mtime_of, prepare_options, status_of
 
 #: Parts uploaded at once by one component upload. The caller's thread keeps
@@ -134,12 +134,17 @@ class S3Backend(FsspecBackend):
             self._raise(exc, "conditional create", self._key(path))
             raise
 
-    def list_keys(self, prefix: str, *, start_after: str = "", limit: int | None = None) -> list[str]:
+    def list_keys(
+        self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False
+    ) -> list[str]:
         """One ``ListObjectsV2`` request per page (``StartAfter``, ``MaxKeys``,
         then the continuation token): the first keys of a long prefix cost one
-        request. Directory placeholders (keys ending in '/') are not objects."""
+        request. Directory placeholders (keys ending in '/') are not objects.
+        ``flat``: ``Delimiter='/'``, the folders below are neither listed nor walked."""
         pfx = self._bucket_key(prefix)
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
+        if flat:
+            kw["Delimiter"] = "/"
         if start_after:
             kw["StartAfter"] = self._bucket_key(start_after)
         out: list[str] = []
@@ -149,7 +154,7 @@ class S3Backend(FsspecBackend):
                 resp = self._call("list_objects_v2", **kw)
                 for c in resp.get("Contents", []) or []:
                     name = c.get("Key", "")
-                    if name.startswith(pfx) and not name.endswith("/"):
+                    if name.startswith(pfx) and not name.endswith("/") and not (flat and "/" in name[len(pfx) :]):
                         out.append(self._key(f"{self.bucket}/{name}"))
                 token = resp.get("NextContinuationToken")
                 if not resp.get("IsTruncated") or not token:
@@ -158,6 +163,8 @@ class S3Backend(FsspecBackend):
         except Exception as exc:  # noqa: BLE001
             self._raise(exc, "list", prefix)
             raise
+        if not flat:
+            check_depth(self.url, prefix, out)
         return out if limit is None else out[: max(0, limit)]
 
     def list_incomplete(self, prefix: str, older_than: float) -> list[str]:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from .records import AttemptRecord, CommitRecord, ComponentEntry
 
 #: Commit records read, newest first, before selection gives up (a store stuffed with
-#: junk records cannot make a resume read without bound).
+#: junk records cannot make a resume read without bound). Giving up is an error
+#: (``LimitReachedError``), never "no save"; candidates skipped by name (superseded,
+#: unregistered attempt) are not read and do not count (PROTOCOL.md §4.4).
 MAX_CANDIDATES = 1000
 #: Skipped candidates reported in full; the rest are counted.
 MAX_REPORTED_SKIPS = 100
@@ -135,13 +137,16 @@ class SaveRef:
 class Selection:
     """The answer of ``latest_complete(explain=True)``: the selected save, every
     newer candidate skipped with its reason (at most :data:`MAX_REPORTED_SKIPS`;
-    ``more_skipped`` counts the rest), and notes for an operator (unreadable
-    attempt records, the candidate limit reached)."""
+    ``more_skipped`` counts the rest), notes for an operator (unreadable
+    attempt records, junk names), and ``unusable``: how many candidate records
+    were read and could not be selected (candidates skipped by name are not
+    counted: they are not in the run's history)."""
 
     latest: SaveRef | None
     skipped: list[Skip]
     more_skipped: int = 0
     notes: tuple[str, ...] = ()
+    unusable: int = 0
 
 
 @dataclass(frozen=True)

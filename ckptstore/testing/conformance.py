@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ..backends.base import Backend
-from ..errors import NotFoundError
+from ..backends.base import MAX_KEY_DEPTH, Backend
+from ..errors import LimitReachedError, NotFoundError
 from .raw import RawAccess
 
 
@@ -214,6 +214,33 @@ class BackendConformance:
             walked += page
             after = page[-1]
         assert walked == keys
+
+    def test_flat_listing_is_one_level(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        if hasattr(backend, "list_page"):
+            monkeypatch.setattr(backend, "list_page", 2)  # pages made partly of folders
+        for k in self.LISTED:
+            RawAccess(backend).set(k, k.encode())
+        top = ["p/b", "p/b0", "p/c.json", "p/zz"]
+        assert backend.list_keys("p/", flat=True) == top
+        assert [o.key for o in backend.list("p/", flat=True)] == top
+        assert [o.size for o in backend.list("p/", flat=True)] == [len(k) for k in top]
+        assert backend.list_keys("p/", flat=True, start_after="p/b", limit=2) == ["p/b0", "p/c.json"]
+        assert backend.list_keys("p/b", flat=True) == ["p/b", "p/b0"]
+        assert backend.list_keys("p/a/", flat=True) == ["p/a/1", "p/a/2"]
+        assert backend.list_keys("missing/", flat=True) == [] and backend.list("missing/", flat=True) == []
+
+    def test_a_listing_deeper_than_the_bound_is_an_error(self, backend: Backend) -> None:
+        deep = "dp/" + "d/" * (MAX_KEY_DEPTH + 1) + "x"
+        backend.put(deep, [b"1"])
+        backend.put("dp/top", [b"1"])
+        with pytest.raises(LimitReachedError, match="deeper than"):
+            backend.list("dp/")
+        with pytest.raises(LimitReachedError, match="deeper than"):
+            backend.list_keys("dp/")
+        assert backend.list_keys("dp/", flat=True) == ["dp/top"]  # a flat listing never goes down
+        ok = "dq/" + "d/" * (MAX_KEY_DEPTH - 1) + "x"  # as deep as the bound allows
+        backend.put(ok, [b"1"])
+        assert backend.list_keys("dq/") == [ok]
 
     def test_list_keys_has_no_directories_after_deletes(self, backend: Backend) -> None:
         backend.put("gk/a/x", [b"1"])

@@ -27,6 +27,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from ..backends.base import MAX_KEY_DEPTH, too_deep
 from ..backends.local import PosixOps
 from ..faults import Crashed
 
@@ -196,16 +197,28 @@ class SimFS(PosixOps):
     def exists(self, path: str) -> bool:
         return self._entry(path) is not None
 
-    def walk(self, top: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    def walk(
+        self, top: str, *, descend: bool = True, max_depth: int = MAX_KEY_DEPTH, prune_deep: bool = False
+    ) -> Iterator[tuple[str, list[str], list[str]]]:
         top = os.path.abspath(top)
         if not self.is_dir(top):
             return
-        d = self.dirs[top]
-        subdirs = sorted(n for n, e in d.vol.items() if e[0] == "d")
-        files = sorted(n for n, e in d.vol.items() if e[0] == "f")
-        yield top, subdirs, files
-        for s in subdirs:
-            yield from self.walk(os.path.join(top, s))
+        todo: list[tuple[str, int]] = [(top, 0)]  # depth first, top down, without recursion
+        while todo:
+            path, depth = todo.pop()
+            if not self.is_dir(path):
+                continue
+            d = self.dirs[path]
+            subdirs = sorted(n for n, e in d.vol.items() if e[0] == "d")
+            files = sorted(n for n, e in d.vol.items() if e[0] == "f")
+            yield path, subdirs, files
+            if not descend:
+                return
+            if subdirs and depth >= max_depth:
+                if prune_deep:
+                    continue
+                raise too_deep(top, os.path.join(path, subdirs[0]))
+            todo += [(os.path.join(path, s), depth + 1) for s in reversed(subdirs)]
 
     # -- durability --------------------------------------------------------
     def sync_all(self) -> None:

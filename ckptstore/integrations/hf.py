@@ -9,15 +9,24 @@ leaves a directory that the next start trusts. With ckptstore:
   of step ``N`` once it is fully written. ``on_save`` runs after the Trainer
   wrote the directory. Single process: it publishes at once. Several
   processes: every process enters a barrier (so every rank's files, e.g.
-  ``rng_state_<rank>.pth``, are on disk), then the world main process alone
-  publishes, then a second barrier (so no rank runs ahead of a failed
-  publication). The directory must be on a filesystem the main process sees
-  (as the Trainer's own resume requires).
+  ``rng_state_<rank>.pth``, are on disk), then global rank 0 alone
+  publishes and sends the outcome to every rank over the process group (a
+  failed publication raises on every rank, none runs ahead of it). The
+  directory must be on a filesystem the main process sees (as the Trainer's
+  own resume requires).
 * :func:`restore_latest` copies the newest complete save back into
   ``output_dir/checkpoint-N`` (every byte BLAKE3-verified on the way) and
   returns that path for ``trainer.train(resume_from_checkpoint=path)``. Newer
   ``checkpoint-K`` directories, which the store never saw complete, are
   renamed aside (``checkpoint-K.incomplete-<time>``), never deleted.
+
+Nothing is followed: publishing refuses a ``checkpoint-N`` that is, or holds,
+a symbolic link or a special file (an error naming it; nothing is published),
+restoring writes only into a directory it created, and only
+``checkpoint-<int>`` in its one canonical spelling counts as a checkpoint
+directory (:mod:`ckptstore.integrations.hf_files`). Ranks learn the restored
+path from rank 0 over the process group (canonical JSON in a ``uint8``
+tensor: no pickle, no file).
 
 The files are treated as opaque bytes: ckptstore reads and writes them and
 never unpickles them (the Trainer's own ``optimizer.pt`` and
@@ -27,7 +36,6 @@ doing, as without ckptstore).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -37,7 +45,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import blake3
 from transformers import (
     TrainerCallback,
     TrainerControl,
@@ -45,14 +52,25 @@ from transformers import (
     TrainingArguments,
 )
 
-from ..errors import CommitConflictError, CorruptionError, InvalidInputError
-from ..protocol import validate_component_name
+from ..errors import (
+    CkptStoreError,
+    CommitConflictError,
+    CorruptionError,
+    InvalidInputError,
+    NotFoundError,
+    SaveNotPublishedError,
+    StoreUnavailableError,
+)
+from ..protocol import canonical_json, decode_json, validate_component_name
 from ..store import CheckpointStore, SaveRef
+from .hf_files import CheckpointTree, checkpoint_step, write_tree
 
 FORMAT = "ckptstore.hf/1"
 FILES = "files/"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_MARKER = ".ckptstore-restored.json"
+#: the largest message rank 0 sends the other ranks (a path or an error message)
+MAX_SHARED_BYTES = 1 << 16
+#: what the Trainer itself takes for a checkpoint directory (transformers.trainer_utils): any Unicode digits
+_TRAINER_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 
 __all__ = ["FORMAT", "StoreCallback", "publish_checkpoint_dir", "restore_latest", "restore_step"]
 
@@ -65,71 +83,124 @@ def _dist() -> Any | None:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _barrier() -> None:
-    dist = _dist()
-    if dist is not None:
-        dist.barrier()
+def _broadcast(dist: Any, message: dict[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's ``message`` on every rank, sent over the default process group as
+    canonical JSON in a ``uint8`` tensor (no pickle, no file). Rank 0 passes the
+    message, the other ranks None. A collective: every rank must call it."""
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if dist.get_rank() == 0:
+        assert message is not None
+        data = canonical_json(message)
+        if len(data) > MAX_SHARED_BYTES:
+            data = canonical_json({"error": "CkptStoreError", "message": f"rank 0's message of {len(data)} bytes is too long"})
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    n = int(size.item())
+    if not 0 < n <= MAX_SHARED_BYTES:
+        raise CorruptionError(f"rank 0 announced a message of {n} bytes (at most {MAX_SHARED_BYTES}): not this callback's")
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if dist.get_rank() == 0
+           else torch.empty(n, dtype=torch.uint8, device=device))
+    dist.broadcast(buf, src=0)
+    if dist.get_rank() == 0:
+        assert message is not None
+        return message
+    got = decode_json(bytes(buf.cpu().tolist()), where="rank 0's message", max_bytes=MAX_SHARED_BYTES, canonical=True)
+    if not isinstance(got, dict):
+        raise CorruptionError("rank 0's message is not a JSON object: not this callback's")
+    return got
 
 
-def _files(directory: Path) -> list[tuple[str, Path]]:
-    out: list[tuple[str, Path]] = []
-    for root, dirs, names in os.walk(directory):
-        dirs.sort()
-        for n in sorted(names):
-            p = Path(root) / n
-            rel = p.relative_to(directory).as_posix()
-            try:
-                validate_component_name(FILES + rel)
-            except InvalidInputError as exc:
-                raise InvalidInputError(f"{p}: cannot be stored under this name ({exc})") from None
-            out.append((rel, p))
-    return out
+#: the classes a failure on rank 0 is raised as on the other ranks (any other: CkptStoreError)
+_RERAISED: dict[str, type[CkptStoreError]] = {
+    c.__name__: c for c in (InvalidInputError, CorruptionError, NotFoundError, StoreUnavailableError)
+}
 
 
-def _digest_file(p: Path) -> str:
-    h = blake3.blake3()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def _on_rank0(dist: Any, what: str, fn: Callable[[], str | None], failed: type[CkptStoreError] | None = None) -> str | None:
+    """Run ``fn`` on rank 0 and return its result on every rank; its failure
+    raises on every rank (on the others as ``failed``, or as the same ckptstore
+    class as on rank 0)."""
+    if dist.get_rank() == 0:
+        try:
+            value = fn()
+        except BaseException as exc:
+            _broadcast(dist, {"error": type(exc).__name__, "message": str(exc)[:8000]})
+            raise
+        _broadcast(dist, {"value": value})
+        return value
+    got = _broadcast(dist, None)
+    if set(got) == {"value"} and (got["value"] is None or isinstance(got["value"], str)):
+        return got["value"]
+    if set(got) == {"error", "message"} and isinstance(got["error"], str) and isinstance(got["message"], str):
+        cls = failed or _RERAISED.get(got["error"], CkptStoreError)
+        raise cls(f"rank 0 could not {what}: {got['error']}: {got['message']}")
+    raise CorruptionError(f"rank 0's message has fields {sorted(got)[:8]}: not this callback's")
+
+
+def _tree_files(tree: CheckpointTree) -> list[tuple[str, int]]:
+    files = tree.files()
+    for rel, _ in files:
+        try:
+            validate_component_name(FILES + rel)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{tree.path / rel}: cannot be stored under this name ({exc})") from None
+    return files
 
 
 def _matches(ref: SaveRef, directory: Path) -> bool:
-    """The directory holds exactly the save's files, byte for byte."""
-    if not directory.is_dir():
-        return False
+    """The directory (a real one, not a link) holds exactly the save's files, byte for byte."""
     want = {n[len(FILES):]: c for n, c in ref.components.items() if n.startswith(FILES)}
     try:
-        have = dict(_files(directory))
-    except InvalidInputError:
+        with CheckpointTree(directory) as tree:
+            have = dict(_tree_files(tree))
+            if set(have) != set(want):
+                return False
+            return all(have[r] == c.size and tree.digest(r, c.size) == c.blake3 for r, c in want.items())
+    except (InvalidInputError, OSError):
         return False
-    if set(have) != set(want):
-        return False
-    return all(have[r].stat().st_size == c.size and _digest_file(have[r]) == c.blake3 for r, c in want.items())
 
 
 def publish_checkpoint_dir(store: CheckpointStore, directory: str | os.PathLike[str], step: int) -> SaveRef:
-    """Publish every file under ``directory`` as one save of ``step``.
+    """Publish every file under ``directory`` (named ``checkpoint-<step>``) as one save of ``step``.
 
-    If this attempt already published ``step`` with the same bytes, that save
-    is returned; with other bytes, :class:`~ckptstore.CommitConflictError`.
+    Refused with :class:`~ckptstore.InvalidInputError` (nothing published) when
+    the directory has another name, is a symbolic link, or holds a link or a
+    special file anywhere (the error names it). If this attempt already
+    published ``step`` with the same bytes, that save is returned; with other
+    bytes, :class:`~ckptstore.CommitConflictError`.
     """
     d = Path(directory)
-    files = _files(d) if d.is_dir() else []
-    if not files:
-        raise InvalidInputError(f"{d}: no checkpoint files to publish")
-    metadata = {"format": FORMAT, "checkpoint": d.name, "global_step": step}
+    if checkpoint_step(d.name) != step:
+        raise InvalidInputError(f"{d}: a checkpoint directory of step {step} must be named 'checkpoint-{step}'")
     try:
-        with store.save(step, metadata=metadata, expect=[FILES + r for r, _ in files]) as s:
-            for rel, p in files:
-                with open(p, "rb") as f:
-                    s.put(FILES + rel, f)
+        tree = CheckpointTree(d)
+    except FileNotFoundError:
+        raise InvalidInputError(f"{d}: no checkpoint files to publish") from None
+    except OSError as exc:
+        raise InvalidInputError(f"{d}: cannot read the checkpoint directory ({exc.strerror or exc})") from None
+    try:
+        with tree:
+            files = _tree_files(tree)
+            if not files:
+                raise InvalidInputError(f"{d}: no checkpoint files to publish")
+            metadata = {"format": FORMAT, "checkpoint": d.name, "global_step": step}
+            with store.save(step, metadata=metadata, expect=[FILES + r for r, _ in files]) as s:
+                for rel, size in files:
+                    s.put(FILES + rel, tree.blocks(rel, size))
     except CommitConflictError:
         assert store.attempt is not None
         ref = store.get_save(step, store.attempt.number)
         if _matches(ref, d):
             return ref
         raise
+    except OSError as exc:
+        if isinstance(exc, CkptStoreError):  # NotFoundError is a FileNotFoundError too: the store's, not the directory's
+            raise
+        raise InvalidInputError(f"{d}: cannot read the checkpoint directory ({exc.strerror or exc}: {exc.filename})") from None
     assert s.ref is not None
     return s.ref
 
@@ -141,6 +212,11 @@ class StoreCallback(TrainerCallback):
     that opens one (called once, on the world main process only, at the first
     save: pass a function in multi-process runs so that only that process
     registers an attempt).
+
+    Multi-process: every rank waits for the others, rank 0 publishes, and the
+    outcome reaches every rank over the process group; a failed publication
+    raises :class:`~ckptstore.SaveNotPublishedError` on the other ranks (and
+    its own error on rank 0).
     """
 
     def __init__(self, store: CheckpointStore | Callable[[], CheckpointStore]) -> None:
@@ -156,30 +232,44 @@ class StoreCallback(TrainerCallback):
             self._store = self._open()
         return self._store
 
+    def _publish(self, args: TrainingArguments, step: int) -> str:
+        directory = Path(str(args.output_dir)) / f"checkpoint-{step}"
+        ref = publish_checkpoint_dir(self.store, directory, step)
+        self.published.append(ref)
+        return ref.save_id
+
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl | None:
-        _barrier()  # every process has written its part of the directory
-        try:
+        dist = _dist()
+        if dist is None:
             if state.is_world_process_zero:
-                directory = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
-                self.published.append(publish_checkpoint_dir(self.store, directory, state.global_step))
-        finally:
-            _barrier()
+                self._publish(args, state.global_step)
+            return None
+        dist.barrier()  # every process has written its part of the directory
+        _on_rank0(dist, f"publish checkpoint-{state.global_step}", lambda: self._publish(args, state.global_step),
+                  SaveNotPublishedError)
         return None
 
 
-def _write_tmp(store: CheckpointStore, ref: SaveRef, tmp: Path) -> None:
-    for name in sorted(ref.components):
-        if not name.startswith(FILES):
-            continue
-        target = tmp / name[len(FILES):]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as f:
-            # the last block is yielded only once the whole file verified
-            f.writelines(store.iter_read(ref, name))
-            f.flush()
-            os.fsync(f.fileno())
+def _write_tmp(store: CheckpointStore, ref: SaveRef, out: Path, name: str) -> None:
+    files = ((n[len(FILES):], store.iter_read(ref, n)) for n in sorted(ref.components) if n.startswith(FILES))
+    # each file's last block is yielded only once the whole file verified
+    write_tree(out, name, files)
+
+
+def _in_the_way(name: str, step: int) -> bool:
+    """Whether the Trainer's own ``get_last_checkpoint`` (``checkpoint-(\\d+)``, any
+    Unicode digits, ``int()`` of them) could prefer ``name`` over the restored
+    ``checkpoint-<step>``: a newer step, or another spelling of the same one."""
+    m = _TRAINER_CHECKPOINT_RE.fullmatch(name)
+    if m is None:
+        return False
+    try:
+        value = int(m.group(1))
+    except ValueError:  # more digits than int() converts
+        return True
+    return value > step or (value == step and checkpoint_step(name) != step)
 
 
 def _fsync_dir(d: Path) -> None:
@@ -192,7 +282,7 @@ def _fsync_dir(d: Path) -> None:
 
 def _set_aside(d: Path, stamp: str) -> Path:
     aside = d.with_name(f"{d.name}.incomplete-{stamp}")
-    os.replace(d, aside)
+    os.replace(d, aside)  # renames the entry itself: a link is moved, never followed
     return aside
 
 
@@ -209,27 +299,24 @@ def restore_latest(
     ``store``: an open store, or a URL (then ``run_id`` is needed; it is opened
     read-only). None when the run has no complete save (start fresh). An
     existing ``checkpoint-N`` whose files match the save byte for byte is kept;
-    otherwise it is renamed aside and replaced. A save whose bytes fail
-    verification while being copied is skipped for the next older complete one.
+    otherwise it is renamed aside and replaced (a link there is renamed, never
+    followed). A save whose bytes fail verification while being copied is
+    skipped for the next older complete one. With ``set_aside_newer``, every
+    directory or link the Trainer's own ``resume_from_checkpoint=True`` could
+    prefer is renamed aside (never deleted, never followed): a newer
+    ``checkpoint-K``, and names the Trainer reads as a step although they are
+    not its canonical spelling (``checkpoint-0100``, ``checkpoint-١٠٠``) when
+    that step is not older. Other names (``checkpoint-x``) are left alone.
 
     Multi-process (``torch.distributed`` initialized): the global rank 0
-    restores; every other rank waits at a barrier and returns the same path.
+    restores; every other rank receives the path (or rank 0's error, raised as
+    the same ckptstore class) over the process group and returns the same path.
     """
     out = Path(output_dir)
     dist = _dist()
-    if dist is not None and dist.get_rank() != 0:
-        _barrier()
-        marker = json.loads((out / _MARKER).read_text())
-        return marker["path"] if isinstance(marker.get("path"), str) else None
-    try:
-        path = _restore(store, out, run_id, storage_options, set_aside_newer, None)
-        if dist is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / _MARKER).write_text(json.dumps({"path": path}))
-    finally:
-        if dist is not None:
-            _barrier()
-    return path
+    if dist is None:
+        return _restore(store, out, run_id, storage_options, set_aside_newer, None)
+    return _on_rank0(dist, f"restore into {out}", lambda: _restore(store, out, run_id, storage_options, set_aside_newer, None))
 
 
 def restore_step(
@@ -242,7 +329,7 @@ def restore_step(
 ) -> str | None:
     """Restore the complete save of ``step`` into ``output_dir/checkpoint-<step>`` (as
     :func:`restore_latest` does for the newest); None when the run has no complete save of
-    that step. Newer directories are left alone. Single process (no barrier)."""
+    that step. Newer directories are left alone. Single process (no collective)."""
     return _restore(store, Path(output_dir), run_id, storage_options, False, step)
 
 
@@ -272,21 +359,24 @@ def _restore(
         out.mkdir(parents=True, exist_ok=True)
         target = out / f"checkpoint-{ref.step}"
         if not _matches(ref, target):
-            tmp = out / f".checkpoint-{ref.step}.ckptstore-restore-{stamp}"
+            tmp = f".checkpoint-{ref.step}.ckptstore-restore-{stamp}"
             try:
-                _write_tmp(store, ref, tmp)
+                _write_tmp(store, ref, out, tmp)
             except CorruptionError:
-                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(out / tmp, ignore_errors=True)  # ours (created exclusively); rmtree follows no link
                 continue  # this save's bytes rotted at rest: try the next older one
-            if target.exists():
+            except BaseException:
+                shutil.rmtree(out / tmp, ignore_errors=True)
+                raise
+            if os.path.lexists(target):
                 _set_aside(target, stamp)
-            os.replace(tmp, target)
+            os.replace(out / tmp, target)
             _fsync_dir(out)
         if set_aside_newer:
-            for d in out.iterdir():
-                m = _CHECKPOINT_RE.match(d.name)
-                if m and d.is_dir() and int(m.group(1)) > ref.step:
-                    _set_aside(d, stamp)
+            with os.scandir(out) as it:
+                newer = [e.name for e in it if _in_the_way(e.name, ref.step) and (e.is_dir(follow_symlinks=False) or e.is_symlink())]
+            for name in newer:
+                _set_aside(out / name, stamp)
             _fsync_dir(out)
         return str(target)
     return None

@@ -32,6 +32,18 @@ later"), so a supervisor that restarts until success (systemd
 requeue loop) restarts a preempted run and stops after a finished one (exit
 0). ``exit_on_preempt=False`` returns True instead.
 
+On many ranks (a :class:`~ckptstore.distributed.ranked.RankStore`) the
+preemption is agreed: at every ``step_end`` the ranks all-reduce their flags
+(MAX, pipelined by one step, see :mod:`ckptstore.distributed.agreement`), so
+every rank saves the same step, one step after the first rank saw the
+signal, or none. A signal also shortens how long a save waits for a silent
+peer (seconds: under torchrun a peer's death is followed by the agent's
+SIGTERM), and a failed all-reduce (a dead peer) abandons the saves in flight
+and raises. Save threads are daemon threads: at interpreter exit, saves
+still in flight are waited for (one process), or abandoned and waited for at
+most ``EXIT_WAIT_RANKS`` seconds (many ranks: they may wait for a dead peer);
+nothing is published by an abandoned save.
+
 Built: every registered object is validated (saveable without pickle, a
 plain DataLoader refused with the fix). Resume: the saved state is checked
 against every live object before anything is loaded (classes, layouts,
@@ -45,11 +57,13 @@ Retention (``keep_last``, ``keep_every``) runs after each commit.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import signal
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -99,6 +113,8 @@ ConfigChoice = Literal["keep-saved", "take-new", "refuse"]
 
 #: the exit status after "saved and exiting on preemption" (sysexits.h EX_TEMPFAIL)
 EX_TEMPFAIL = 75
+#: seconds a save still in flight at interpreter exit is waited for on many ranks (after abandoning its waits)
+EXIT_WAIT_RANKS = 10.0
 
 
 class ConfigChangeWarning(UserWarning):
@@ -176,6 +192,8 @@ class Checkpointer:
         if handle_signals and threading.current_thread() is threading.main_thread():
             for s in signals:
                 self._old_handlers[s] = signal.signal(s, self._on_signal)
+        if self._queue is not None:
+            _OPEN.add(self)
 
     def _validate_objects(self) -> None:
         """Refuse, now rather than at the first due save, what cannot be saved."""
@@ -208,6 +226,26 @@ class Checkpointer:
     # ------------------------------------------------------------ signals
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._preempted.set()
+        alert = getattr(self.store, "alert", None)  # many ranks: give up on silent peers within seconds
+        if alert is not None:
+            alert()
+
+    def _agreed_preemption(self) -> bool:
+        """This rank's flag, or on many ranks the job's agreed one (collective)."""
+        agree = getattr(self.store, "agree_preemption", None)
+        return self.preempted if agree is None else bool(agree(self.preempted))
+
+    def _leave(self) -> None:
+        """At interpreter exit: settle the saves still in flight (module docstring)."""
+        queue = self._queue
+        if queue is None or not len(queue):
+            return
+        abandon = getattr(self.store, "abandon", None)
+        if abandon is None:
+            queue.wait_all(None)  # one process: the save depends on the storage only; finish it
+            return
+        abandon()
+        queue.wait_all(EXIT_WAIT_RANKS)
 
     @property
     def preempted(self) -> bool:
@@ -383,7 +421,7 @@ class Checkpointer:
         """Call after each optimizer step. Saves when due; on preemption saves
         synchronously and exits (or returns True). Returns False otherwise."""
         self._raise_background()
-        if self.preempted:
+        if self._agreed_preemption():
             self.wait()
             if self._last_scheduled_step != step:
                 self.save(step, blocking=True, **save_kw)
@@ -412,6 +450,7 @@ class Checkpointer:
         finally:
             if self._queue is not None:
                 self._queue.shutdown()
+            _OPEN.discard(self)
             for s, h in self._old_handlers.items():
                 try:
                     signal.signal(s, h)
@@ -424,3 +463,13 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Checkpointers with an asynchronous save queue that are not closed yet.
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    for ckpt in list(_OPEN):
+        ckpt._leave()

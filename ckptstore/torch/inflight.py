@@ -1,11 +1,17 @@
 """Asynchronous saves in flight: how many, which host buffers each holds, and
-the order they commit in (used by :class:`~ckptstore.torch.Checkpointer`)."""
+the order they commit in (used by :class:`~ckptstore.torch.Checkpointer`).
+
+Each save runs on its own daemon thread, so a save that waits for a dead
+peer never keeps the interpreter alive; what happens to saves still in flight
+at exit is the Checkpointer's choice (:meth:`SaveQueue.wait_all`)."""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 from ..protocol.selection import SaveRef
 from .state import HostBuffers
@@ -24,7 +30,7 @@ class SaveQueue:
         self.limit = limit
         #: buffer sets not held by a save in flight (at most ``limit`` sets ever exist)
         self.idle: list[HostBuffers] = [first]
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(limit, thread_name_prefix="ckptstore-save")
+        self._open = True
         self._items: deque[tuple[Future[SaveRef], HostBuffers]] = deque()
         self.error: BaseException | None = None
 
@@ -37,7 +43,7 @@ class SaveQueue:
 
     def submit(self, job: SaveJob, bufs: HostBuffers) -> None:
         """Queue a save that holds ``bufs`` until it finishes."""
-        if self._pool is None:
+        if not self._open:
             raise RuntimeError("the save queue is shut down")
         before = self._items[-1][0] if self._items else None
 
@@ -48,7 +54,19 @@ class SaveQueue:
                 except BaseException:  # noqa: BLE001, S110 - collected and raised by the training thread
                     pass
 
-        self._items.append((self._pool.submit(job, in_order), bufs))
+        fut: Future[SaveRef] = Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(job(in_order))
+            except BaseException as exc:  # noqa: BLE001 - kept for the training thread
+                fut.set_exception(exc)
+
+        # at most ``limit`` are in flight: the caller made room first
+        threading.Thread(target=run, name="ckptstore-save", daemon=True).start()
+        self._items.append((fut, bufs))
 
     def collect_oldest(self) -> None:
         """Wait for the oldest save in flight; keep its error (the first one wins)."""
@@ -74,8 +92,12 @@ class SaveQueue:
         err, self.error = self.error, None
         return err
 
+    def wait_all(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no bound) for every save in
+        flight to finish, without collecting them; True if none is left running."""
+        _, running = wait_futures([f for f, _ in self._items], timeout=timeout)
+        return not running
+
     def shutdown(self) -> None:
         self.make_room(everything=True)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._open = False

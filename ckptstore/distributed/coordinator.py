@@ -108,10 +108,7 @@ class DistributedRun:
         return DistributedSave(self, step, dict(metadata or {}), self.save_timeout if timeout is None else timeout)
 
     def agree_preemption(self, flag: bool) -> bool:
-        """Collective, at every step end: this rank's preemption flag in, the
-        job's agreed flag of the previous call out (see :mod:`.agreement`).
-        Raises :class:`~ckptstore.distributed.agreement.PeerLostError` (after
-        abandoning this rank's waits) when the process group failed."""
+        """Collective at every step end (:mod:`.agreement`); ``PeerLostError`` abandons this rank's waits."""
         if self._agreement is None:
             self._agreement = FlagAgreement(self.channel.group)
         try:
@@ -119,16 +116,6 @@ class DistributedRun:
         except PeerLostError:
             self.channel.abandon()
             raise
-
-    def alert(self) -> None:
-        """A termination signal arrived: peers that stop beating are given up
-        on within seconds (:meth:`Channel.alert`)."""
-        self.channel.alert()
-
-    def abandon(self) -> None:
-        """This process is leaving: every wait for other ranks ends now (a
-        save in flight aborts without publishing; see :meth:`Channel.abandon`)."""
-        self.channel.abandon()
 
     def close(self) -> None:
         self.channel.close()
@@ -327,28 +314,17 @@ def open_distributed(
     """
     ch = Channel(group, timeout=timeout, name=P.validate_run_id(run_id))
     try:
-        return _open_on(
-            ch, url, run_id, identity=identity, timeout=timeout, save_timeout=save_timeout,
-            storage_options=storage_options, resume_from=resume_from, resume_verify=resume_verify, reshard=reshard,
-            retry=retry,
-        )
+        return _open_on(ch, url, run_id, identity, timeout, save_timeout, storage_options, resume_from, resume_verify,
+                        reshard, retry)
     except BaseException:
-        ch.close()
+        ch.close()  # stop its heartbeat
         raise
 
 
-def _open_on(
-    ch: Channel,
-    url: str | os.PathLike[str],
-    run_id: str,
-    *,
-    identity: RunIdentity | Mapping[str, Any],
-    timeout: float,
-    save_timeout: float,
-    storage_options: Mapping[str, Any] | None,
-    resume_from: int | None | Literal["latest"],
-    resume_verify: Literal["deep", "cheap"],
-    reshard: bool,
+def _open_on(  # noqa: PLR0913 - open_distributed's arguments, in order
+    ch: Channel, url: str | os.PathLike[str], run_id: str, identity: RunIdentity | Mapping[str, Any],
+    timeout: float, save_timeout: float, storage_options: Mapping[str, Any] | None,
+    resume_from: int | None | Literal["latest"], resume_verify: Literal["deep", "cheap"], reshard: bool,
     retry: RetryPolicy | None,
 ) -> DistributedRun:
     ident = _identity_dict(identity)

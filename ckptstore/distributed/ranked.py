@@ -89,12 +89,12 @@ class RankStore:
         return self.run.agree_preemption(flag)
 
     def alert(self) -> None:
-        """A termination signal arrived (:meth:`DistributedRun.alert`)."""
-        self.run.alert()
+        """A termination signal arrived: give up on silent peers within seconds (:meth:`Channel.alert`)."""
+        self.run.channel.alert()
 
     def abandon(self) -> None:
-        """This process is leaving (:meth:`DistributedRun.abandon`)."""
-        self.run.abandon()
+        """This process is leaving: end every wait for other ranks (:meth:`Channel.abandon`)."""
+        self.run.channel.abandon()
 
     def record_event(self, kind: str, payload: Mapping[str, Any]) -> str:
         """The ledger is the job's: only the coordinator appends to it."""

@@ -32,17 +32,10 @@ later"), so a supervisor that restarts until success (systemd
 requeue loop) restarts a preempted run and stops after a finished one (exit
 0). ``exit_on_preempt=False`` returns True instead.
 
-On many ranks (a :class:`~ckptstore.distributed.ranked.RankStore`) the
-preemption is agreed: at every ``step_end`` the ranks all-reduce their flags
-(MAX, pipelined by one step, see :mod:`ckptstore.distributed.agreement`), so
-every rank saves the same step, one step after the first rank saw the
-signal, or none. A signal also shortens how long a save waits for a silent
-peer (seconds: under torchrun a peer's death is followed by the agent's
-SIGTERM), and a failed all-reduce (a dead peer) abandons the saves in flight
-and raises. Save threads are daemon threads: at interpreter exit, saves
-still in flight are waited for (one process), or abandoned and waited for at
-most ``EXIT_WAIT_RANKS`` seconds (many ranks: they may wait for a dead peer);
-nothing is published by an abandoned save.
+On many ranks (a RankStore) the preemption is agreed by an all-reduce at
+every ``step_end`` (:mod:`ckptstore.distributed.agreement`): every rank saves
+the same step or none; a signal makes saves give up on silent peers within
+seconds; saves in flight at exit are abandoned (:mod:`.inflight`).
 
 Built: every registered object is validated (saveable without pickle, a
 plain DataLoader refused with the fix). Resume: the saved state is checked
@@ -57,13 +50,11 @@ Retention (``keep_last``, ``keep_every``) runs after each commit.
 
 from __future__ import annotations
 
-import atexit
 import inspect
 import signal
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -113,8 +104,6 @@ ConfigChoice = Literal["keep-saved", "take-new", "refuse"]
 
 #: the exit status after "saved and exiting on preemption" (sysexits.h EX_TEMPFAIL)
 EX_TEMPFAIL = 75
-#: seconds a save still in flight at interpreter exit is waited for on many ranks (after abandoning its waits)
-EXIT_WAIT_RANKS = 10.0
 
 
 class ConfigChangeWarning(UserWarning):
@@ -180,7 +169,9 @@ class Checkpointer:
         self.model = model or next((o for o in self.objects.values() if hasattr(o, "named_parameters")), None)
         self.max_inflight = max_inflight
         self._buffers = HostBuffers()
-        self._queue: SaveQueue | None = SaveQueue(max_inflight, self._buffers) if async_save else None
+        self._queue: SaveQueue | None = (
+            SaveQueue(max_inflight, self._buffers, abandon=getattr(store, "abandon", None)) if async_save else None
+        )
         self._retain_lock = threading.Lock()
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
@@ -192,8 +183,6 @@ class Checkpointer:
         if handle_signals and threading.current_thread() is threading.main_thread():
             for s in signals:
                 self._old_handlers[s] = signal.signal(s, self._on_signal)
-        if self._queue is not None:
-            _OPEN.add(self)
 
     def _validate_objects(self) -> None:
         """Refuse, now rather than at the first due save, what cannot be saved."""
@@ -234,18 +223,6 @@ class Checkpointer:
         """This rank's flag, or on many ranks the job's agreed one (collective)."""
         agree = getattr(self.store, "agree_preemption", None)
         return self.preempted if agree is None else bool(agree(self.preempted))
-
-    def _leave(self) -> None:
-        """At interpreter exit: settle the saves still in flight (module docstring)."""
-        queue = self._queue
-        if queue is None or not len(queue):
-            return
-        abandon = getattr(self.store, "abandon", None)
-        if abandon is None:
-            queue.wait_all(None)  # one process: the save depends on the storage only; finish it
-            return
-        abandon()
-        queue.wait_all(EXIT_WAIT_RANKS)
 
     @property
     def preempted(self) -> bool:
@@ -450,7 +427,6 @@ class Checkpointer:
         finally:
             if self._queue is not None:
                 self._queue.shutdown()
-            _OPEN.discard(self)
             for s, h in self._old_handlers.items():
                 try:
                     signal.signal(s, h)
@@ -463,13 +439,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Checkpointers with an asynchronous save queue that are not closed yet.
-_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-
-
-@atexit.register
-def _settle_at_exit() -> None:
-    for ckpt in list(_OPEN):
-        ckpt._leave()

@@ -2,12 +2,17 @@
 the order they commit in (used by :class:`~ckptstore.torch.Checkpointer`).
 
 Each save runs on its own daemon thread, so a save that waits for a dead
-peer never keeps the interpreter alive; what happens to saves still in flight
-at exit is the Checkpointer's choice (:meth:`SaveQueue.wait_all`)."""
+peer never keeps the interpreter alive. At interpreter exit the saves still
+in flight are waited for (one process: they depend on the storage only), or,
+on many ranks (``abandon`` given), their waits for other ranks are abandoned
+and they are waited for at most :data:`EXIT_WAIT_RANKS` seconds; an abandoned
+save publishes nothing."""
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -18,6 +23,8 @@ from .state import HostBuffers
 
 #: what a queued save runs: it gets ``in_order``, to call just before it publishes
 SaveJob = Callable[[Callable[[], None]], SaveRef]
+#: seconds a save still in flight at interpreter exit is waited for on many ranks
+EXIT_WAIT_RANKS = 10.0
 
 
 class SaveQueue:
@@ -26,11 +33,13 @@ class SaveQueue:
     concurrently but commit in the order they were queued, and the first
     background error is kept for the training thread to raise."""
 
-    def __init__(self, limit: int, first: HostBuffers) -> None:
+    def __init__(self, limit: int, first: HostBuffers, *, abandon: Callable[[], None] | None = None) -> None:
         self.limit = limit
+        self.abandon = abandon
         #: buffer sets not held by a save in flight (at most ``limit`` sets ever exist)
         self.idle: list[HostBuffers] = [first]
         self._open = True
+        _OPEN.add(self)
         self._items: deque[tuple[Future[SaveRef], HostBuffers]] = deque()
         self.error: BaseException | None = None
 
@@ -101,3 +110,22 @@ class SaveQueue:
     def shutdown(self) -> None:
         self.make_room(everything=True)
         self._open = False
+        _OPEN.discard(self)
+
+    def leave(self) -> None:
+        """At interpreter exit: settle the saves still in flight (module docstring)."""
+        if not self._items:
+            return
+        if self.abandon is not None:
+            self.abandon()
+        self.wait_all(None if self.abandon is None else EXIT_WAIT_RANKS)
+
+
+# Queues not shut down yet (their Checkpointer was not closed).
+_OPEN: weakref.WeakSet[SaveQueue] = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    for queue in list(_OPEN):
+        queue.leave()

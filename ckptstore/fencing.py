@@ -114,6 +114,24 @@ class AttemptLog:
         self._cache[number] = rec
         return rec
 
+    def join(self, number: int) -> AttemptRecord:
+        """Attempt record ``number``, for a member of the job that registered
+        it; refused with :class:`SupersededError` when a later attempt that
+        counts for fencing was registered since (the member belongs to an
+        older job, or to an earlier generation of restarted workers)."""
+        rec = self.read(number)
+        effective = self.load().effective
+        later = sorted(n for n in effective if n > number)
+        if later:
+            newer = effective[later[-1]]
+            raise SupersededError(
+                f"run {self.io.run_id!r}: cannot join attempt {number}: {describe_superseder(newer)} after it "
+                "(a newer job, or a newer generation of restarted workers, owns the run). Stop this process; "
+                "nothing was written.",
+                committed=False,
+            )
+        return rec
+
     def register(
         self,
         writer_id: str,

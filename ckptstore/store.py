@@ -116,7 +116,7 @@ class CheckpointStore:
         self._reader = Reader(self._catalog)
         if self.mode == "w":
             if join_attempt is not None:
-                self.attempt = self._attempts.read(join_attempt)
+                self.attempt = self._attempts.join(join_attempt)
             else:
                 memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
                 self.attempt, self.resumed_from = self._attempts.register(
@@ -157,7 +157,8 @@ class CheckpointStore:
         ``resume_from``: ``"latest"`` (the newest complete save, available as
         :attr:`resumed_from`), a step, or ``None`` for a fresh start. With
         ``join_attempt=N`` nothing is registered: the store writes as a member
-        of attempt ``N``, which a coordinator registered for the whole job.
+        of attempt ``N``, which a coordinator registered for the whole job
+        (:class:`SupersededError` if a later attempt was registered since).
 
         The resume point is chosen with a deep check by default (every byte of
         the candidate re-hashed), so a bit flip at rest never becomes the

@@ -225,3 +225,18 @@ def test_one_job_opens_the_same_run_id_in_two_stores(backend_kind: str, tmp_path
     assert [o["attempt"] for o in ok(res, "other")] == [1, 1]
     assert all(s["ok"] for s in ok(res, "save1") + ok(res, "save1b"))
     assert reader(url + "-b", opts).latest_complete(deep=True) is not None
+
+
+def test_member_refuses_to_join_a_superseded_attempt(backend) -> None:  # type: ignore[no-untyped-def]
+    """A member of an older job (or of an earlier generation of restarted
+    workers) must not join its attempt once a newer attempt was registered."""
+    from ckptstore import SupersededError
+
+    ident = {"data_digest": "d", "code_digest": "c"}
+    CheckpointStore(backend, "run", identity=ident, single_writer=True)  # attempt 1
+    newer = CheckpointStore(backend, "run", identity=ident, single_writer=True)  # attempt 2 fences it
+    assert newer.attempt is not None and newer.attempt.number == 2
+    with pytest.raises(SupersededError, match="cannot join attempt 1: attempt 2 restarted the run from scratch"):
+        CheckpointStore(backend, "run", identity=ident, join_attempt=1)
+    member = CheckpointStore(backend, "run", identity=ident, join_attempt=2)
+    assert member.attempt == newer.attempt

@@ -4,6 +4,7 @@
 Importing this package imports torch; the core ``ckptstore`` never does.
 """
 
+from .agreement import PeerLostError
 from .channel import Channel, ChannelError, CoordinatorLostError, RanksFailedError
 from .coordinator import DistributedRun, DistributedSave, open_distributed
 from .errors import RemoteError, WorldSizeMismatchError
@@ -14,6 +15,7 @@ __all__ = [
     "CoordinatorLostError",
     "DistributedRun",
     "DistributedSave",
+    "PeerLostError",
     "RanksFailedError",
     "RemoteError",
     "WorldSizeMismatchError",

@@ -41,6 +41,7 @@ from ..identity import RunIdentity, identity_digest, normalize_identity
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
 from ..store import CheckpointStore
+from .agreement import FlagAgreement, PeerLostError
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after
 
@@ -85,6 +86,7 @@ class DistributedRun:
         self.save_timeout = save_timeout
         #: ``{"from_world_size": N, "to_world_size": M, ...}`` when this attempt resharded on resume.
         self.resharded = resharded
+        self._agreement: FlagAgreement | None = None
 
     @property
     def is_coordinator(self) -> bool:
@@ -105,7 +107,18 @@ class DistributedRun:
         """Begin a save of ``step`` on every rank (collective: every rank calls it)."""
         return DistributedSave(self, step, dict(metadata or {}), self.save_timeout if timeout is None else timeout)
 
+    def agree_preemption(self, flag: bool) -> bool:
+        """Collective at every step end (:mod:`.agreement`); ``PeerLostError`` abandons this rank's waits."""
+        if self._agreement is None:
+            self._agreement = FlagAgreement(self.channel.group)
+        try:
+            return self._agreement.agree(flag)
+        except PeerLostError:
+            self.channel.abandon()
+            raise
+
     def close(self) -> None:
+        self.channel.close()
         self.store.close()
 
 
@@ -300,6 +313,20 @@ def open_distributed(
     the same order, from one thread at a time.
     """
     ch = Channel(group, timeout=timeout, name=P.validate_run_id(run_id))
+    try:
+        return _open_on(ch, url, run_id, identity, timeout, save_timeout, storage_options, resume_from, resume_verify,
+                        reshard, retry)
+    except BaseException:
+        ch.close()  # stop its heartbeat
+        raise
+
+
+def _open_on(  # noqa: PLR0913 - open_distributed's arguments, in order
+    ch: Channel, url: str | os.PathLike[str], run_id: str, identity: RunIdentity | Mapping[str, Any],
+    timeout: float, save_timeout: float, storage_options: Mapping[str, Any] | None,
+    resume_from: int | None | Literal["latest"], resume_verify: Literal["deep", "cheap"], reshard: bool,
+    retry: RetryPolicy | None,
+) -> DistributedRun:
     ident = _identity_dict(identity)
     tag = ch.next()
     ch.post(tag, "hello", {"identity_digest": identity_digest(ident)})

@@ -119,6 +119,18 @@ class RankStore:
     def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
         self.run.store.read_into(ref, self.prefix + name, out)
 
+    def agree_preemption(self, flag: bool) -> bool:
+        """The job's agreed preemption flag (collective; :meth:`DistributedRun.agree_preemption`)."""
+        return self.run.agree_preemption(flag)
+
+    def alert(self) -> None:
+        """A termination signal arrived: give up on silent peers within seconds (:meth:`Channel.alert`)."""
+        self.run.channel.alert()
+
+    def abandon(self) -> None:
+        """This process is leaving: end every wait for other ranks (:meth:`Channel.abandon`)."""
+        self.run.channel.abandon()
+
     def record_event(self, kind: str, payload: Mapping[str, Any]) -> str:
         """The ledger is the job's: only the coordinator appends to it."""
         if not self.run.is_coordinator:

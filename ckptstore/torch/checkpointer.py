@@ -32,6 +32,11 @@ later"), so a supervisor that restarts until success (systemd
 requeue loop) restarts a preempted run and stops after a finished one (exit
 0). ``exit_on_preempt=False`` returns True instead.
 
+On many ranks (a RankStore) the preemption is agreed by an all-reduce at
+every ``step_end`` (:mod:`ckptstore.distributed.agreement`): every rank saves
+the same step or none; a signal makes saves give up on silent peers within
+seconds; saves in flight at exit are abandoned (:mod:`.inflight`).
+
 Built: every registered object is validated (saveable without pickle, a
 plain DataLoader refused with the fix). Resume: the saved state is checked
 against every live object before anything is loaded (classes, layouts,
@@ -164,7 +169,9 @@ class Checkpointer:
         self.model = model or next((o for o in self.objects.values() if hasattr(o, "named_parameters")), None)
         self.max_inflight = max_inflight
         self._buffers = HostBuffers()
-        self._queue: SaveQueue | None = SaveQueue(max_inflight, self._buffers) if async_save else None
+        self._queue: SaveQueue | None = (
+            SaveQueue(max_inflight, self._buffers, abandon=getattr(store, "abandon", None)) if async_save else None
+        )
         self._retain_lock = threading.Lock()
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
@@ -208,6 +215,14 @@ class Checkpointer:
     # ------------------------------------------------------------ signals
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._preempted.set()
+        alert = getattr(self.store, "alert", None)  # many ranks: give up on silent peers within seconds
+        if alert is not None:
+            alert()
+
+    def _agreed_preemption(self) -> bool:
+        """This rank's flag, or on many ranks the job's agreed one (collective)."""
+        agree = getattr(self.store, "agree_preemption", None)
+        return self.preempted if agree is None else bool(agree(self.preempted))
 
     @property
     def preempted(self) -> bool:
@@ -383,7 +398,7 @@ class Checkpointer:
         """Call after each optimizer step. Saves when due; on preemption saves
         synchronously and exits (or returns True). Returns False otherwise."""
         self._raise_background()
-        if self.preempted:
+        if self._agreed_preemption():
             self.wait()
             if self._last_scheduled_step != step:
                 self.save(step, blocking=True, **save_kw)

@@ -21,8 +21,8 @@ backend_kinds = ["seaweedfs", "moto", "fakegcs"]
 # 200 rounds take ~12 s on moto and ~2 s on fake-gcs-server; SeaweedFS 4.48 makes
 # losing conditional PUTs wait whole seconds (1-3 s per round), so the default
 # suite runs fewer rounds there. CKPT_RACE_ROUNDS overrides for all servers.
-ROUNDS = {"seaweedfs": 15, "moto": 200, "fakegcs": 200}
-ROUNDS_READ_BACK = {"seaweedfs": 5, "moto": 50, "fakegcs": 50, "seaweedfs-obstore": 5, "moto-obstore": 50}
+ROUNDS = {"seaweedfs": 8, "moto": 200, "fakegcs": 200}
+ROUNDS_READ_BACK = {"seaweedfs": 2, "moto": 50, "fakegcs": 50, "seaweedfs-obstore": 2, "moto-obstore": 50}
 
 
 #: Servers whose conditional PUT is atomic under concurrency, so a raw-backend race may assert

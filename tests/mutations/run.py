@@ -50,6 +50,8 @@ class Mutation:
     edits: tuple[tuple[str, str], ...]  # (unique snippet of the current source, replacement)
     must_fail: tuple[str, ...]  # pytest node IDs (a parametrized test's name covers all its cases)
     backends: str = "memory,local"  # CKPT_BACKENDS for the run
+    # edits in other files, for a rule kept in two places (file, snippet, replacement)
+    elsewhere: tuple[tuple[str, str, str], ...] = ()
     survivor: bool = False  # one of the round-1 survivors
 
 
@@ -174,6 +176,10 @@ MUTATIONS: list[Mutation] = [
         (("        if later is not None:\n            return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED",
           "        if False:\n            return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED"),),
         (f"{T_PROTO}::test_zombie_commit_that_slipped_through_is_superseded",),
+        # selection also skips superseded candidates by name, before any record is read
+        elsewhere=(("ckptstore/selectlimits.py",
+                    "        if later is not None:\n            return SkipReason.SUPERSEDED",
+                    "        if False:\n            return SkipReason.SUPERSEDED"),),
     ),
     Mutation(
         "gc-keeps-too-few",
@@ -223,18 +229,26 @@ def copy_repo(dst: Path) -> None:
         shutil.copy2(src, out)
 
 
+def edits_by_file(m: Mutation) -> dict[str, list[tuple[str, str]]]:
+    out: dict[str, list[tuple[str, str]]] = {m.file: list(m.edits)}
+    for file, snippet, replacement in m.elsewhere:
+        out.setdefault(file, []).append((snippet, replacement))
+    return out
+
+
 def apply(m: Mutation, scratch: Path) -> None:
-    path = scratch / m.file
-    text = path.read_text()
-    for snippet, replacement in m.edits:
-        n = text.count(snippet)
-        if n != 1:
-            raise SystemExit(
-                f"mutation {m.name!r}: snippet found {n} times in {m.file} (must be exactly once); "
-                f"retarget it to the current code:\n{snippet}"
-            )
-        text = text.replace(snippet, replacement)
-    path.write_text(text)
+    for file, edits in edits_by_file(m).items():
+        path = scratch / file
+        text = path.read_text()
+        for snippet, replacement in edits:
+            n = text.count(snippet)
+            if n != 1:
+                raise SystemExit(
+                    f"mutation {m.name!r}: snippet found {n} times in {file} (must be exactly once); "
+                    f"retarget it to the current code:\n{snippet}"
+                )
+            text = text.replace(snippet, replacement)
+        path.write_text(text)
 
 
 def run_pytest(scratch: Path, nodes: tuple[str, ...], backends: str) -> tuple[int, str]:

@@ -143,16 +143,25 @@ def plant(kind: str, d: Path, v: Path) -> str:
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["file-link", "dir-link", "nested-link", "relative-link", "fifo"])
-def test_a_link_or_special_file_inside_a_checkpoint_is_refused_and_nothing_outside_is_uploaded(
-    backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest, kind: str
-) -> None:
+def published_step_2(
+    backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[str, dict[str, Any], Path, Path, dict[str, bytes], StoreCallback]:
+    """The common start: a store, a victim tree outside the output directory, and
+    ``checkpoint-2`` written and published: (url, options, victim, out, its files, callback)."""
     url, opts = where(backend_kind, tmp_path, request)
     v = victim(tmp_path)
     out = tmp_path / "out"
     want = write_checkpoint(out, 2)
     cb = StoreCallback(lambda: open_store(url, opts))
     save(cb, out, 2)
+    return url, opts, v, out, want, cb
+
+
+@pytest.mark.parametrize("kind", ["file-link", "dir-link", "nested-link", "relative-link", "fifo"])
+def test_a_link_or_special_file_inside_a_checkpoint_is_refused_and_nothing_outside_is_uploaded(
+    backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest, kind: str
+) -> None:
+    url, opts, v, out, want, cb = published_step_2(backend_kind, tmp_path, request)
     write_checkpoint(out, 4)
     planted = plant(kind, out / "checkpoint-4", v)
     before = snapshot(v)
@@ -176,12 +185,7 @@ def test_a_link_or_special_file_inside_a_checkpoint_is_refused_and_nothing_outsi
 
 
 def test_a_linked_checkpoint_directory_is_refused(backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    url, opts = where(backend_kind, tmp_path, request)
-    v = victim(tmp_path)
-    out = tmp_path / "out"
-    write_checkpoint(out, 2)
-    cb = StoreCallback(lambda: open_store(url, opts))
-    save(cb, out, 2)
+    url, opts, v, out, _, cb = published_step_2(backend_kind, tmp_path, request)
     (out / "checkpoint-4").symlink_to(v / "project", target_is_directory=True)
     before = snapshot(v)
     with pytest.raises(InvalidInputError, match="symbolic link where a directory belongs") as e:
@@ -198,12 +202,7 @@ def test_a_linked_checkpoint_directory_is_refused(backend_kind: str, tmp_path: P
 def test_restore_never_writes_through_a_link_at_the_checkpoint_path(
     backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest, kind: str
 ) -> None:
-    url, opts = where(backend_kind, tmp_path, request)
-    v = victim(tmp_path)
-    out = tmp_path / "out"
-    want = write_checkpoint(out, 2)
-    cb = StoreCallback(lambda: open_store(url, opts))
-    save(cb, out, 2)
+    url, opts, v, out, want, cb = published_step_2(backend_kind, tmp_path, request)
     d = out / "checkpoint-2"
     if kind == "dir-is-link":
         for p in sorted(d.rglob("*"), reverse=True):
@@ -234,12 +233,7 @@ def test_restore_never_writes_through_a_link_at_the_checkpoint_path(
 def test_only_the_canonical_spelling_is_a_checkpoint_directory(
     backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    url, opts = where(backend_kind, tmp_path, request)
-    v = victim(tmp_path)
-    out = tmp_path / "out"
-    want = write_checkpoint(out, 2)
-    cb = StoreCallback(lambda: open_store(url, opts))
-    save(cb, out, 2)
+    url, opts, v, out, want, cb = published_step_2(backend_kind, tmp_path, request)
     # other spellings: Arabic-Indic digits, leading zeros, not a number; and a link under a canonical newer name
     odd = {"checkpoint-\u0663": 3, "checkpoint-01": 1, "checkpoint-02": 2, "checkpoint-0100": 100,
            "checkpoint-\u0663\u0660\u0660": 300, "checkpoint-x": None, "checkpoint-": None}

@@ -44,11 +44,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.servers import BUCKET, SERVERS
 from bench.common import RESULTS, MiB, interleave, reset_hwm, run_child, vm_hwm_kib, vm_rss_kib
 from ckptstore.backends.base import Backend
 from ckptstore.backends.fsspec_base import PART_SIZE
-from ckptstore.registry import backend_from_url
+from ckptstore.backends.schemes import backend_from_url
+from devservers.servers import BUCKET, SERVERS
 
 RANGE = 8 * MiB
 Op = Callable[[int], float | None]

@@ -11,7 +11,7 @@ history must at least do; version 2 no longer does). ``list_saves()`` is
 timed twice: on a store opened for the call (every commit record read) and
 again on the same store (records are cached per store: listings only). On
 S3: backend operations per call (counted by
-``ckptstore.faults.FaultyBackend``'s trace) and HTTP requests per call
+``ckptstore.backends.faults.FaultyBackend``'s trace) and HTTP requests per call
 (counted with a botocore ``before-send`` hook on the s3fs client), each on a
 store opened for the call. A plot of time per call against H is written to
 ``bench/results/history.svg``.
@@ -29,7 +29,7 @@ from typing import Any
 from bench.common import IDENTITY, RESULTS, Config, Measure, Row, interleave, scratch
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
-from ckptstore.faults import FaultyBackend
+from ckptstore.backends.faults import FaultyBackend
 
 RUN = "hist"
 
@@ -90,8 +90,8 @@ def count_s3(h_values: list[int], sources: dict[int, str]) -> dict[int, dict[str
     """Backend operations and HTTP requests per latest_complete() / list_saves() call on moto."""
     import uuid
 
-    from backends.servers import BUCKET, SERVERS
-    from ckptstore.registry import backend_from_url
+    from ckptstore.backends.schemes import backend_from_url
+    from devservers.servers import BUCKET, SERVERS
 
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     srv = SERVERS["moto"]().start()

@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.servers import BUCKET, SERVERS  # noqa: E402
 from ckptstore import CheckpointStore  # noqa: E402
 from ckptstore.backends.fsspec_base import PART_SIZE  # noqa: E402
-from ckptstore.registry import backend_from_url as object_store_backend  # noqa: E402
+from ckptstore.backends.schemes import backend_from_url as object_store_backend  # noqa: E402
+from devservers.servers import BUCKET, SERVERS  # noqa: E402
 
 
 def main() -> None:

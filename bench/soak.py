@@ -48,7 +48,7 @@ from typing import Any
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
-from ckptstore.registry import backend_from_url
+from ckptstore.backends.schemes import backend_from_url
 from ckptstore.testing.invariants import invariant_1_violations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,7 +164,7 @@ def location(kind: str, tmp: str) -> tuple[str, dict[str, Any], Any]:
         return os.path.join(tmp, "store"), {}, None
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from backends.servers import BUCKET, SERVERS
+    from devservers.servers import BUCKET, SERVERS
 
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

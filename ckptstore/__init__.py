@@ -2,10 +2,14 @@
 
 The core imports without torch, numpy or matplotlib; the PyTorch adapter lives
 in ``ckptstore.torch`` (extra ``torch``), run management (drill, budget, report)
-in ``ckptstore.runs`` (extra ``runs``).
+in ``ckptstore.ops`` (extra ``runs``).
 """
 
 from .backends.base import Backend, Capabilities, ObjectInfo
+from .backends.schemes import register_scheme
+from .core.reader import VerifyReport
+from .core.record_auth import UnauthenticatedWarning
+from .core.writer import StagedSave
 from .errors import (
     CkptStoreError,
     CommitConflictError,
@@ -24,17 +28,23 @@ from .errors import (
 )
 from .identity import RunIdentity, digest_tree
 from .protocol import PROTOCOL_VERSION
+from .protocol.auth import AuthPolicy, Keyring
 from .protocol.records import ComponentEntry
 from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection, Skip, SkipReason
-from .reader import VerifyReport
-from .registry import register_scheme
-from .store import CheckpointStore, SaveWriter
-from .writer import StagedSave
+from .retry import RetryPolicy
+from .store import DEFAULT_GRACE_SECONDS, CheckpointStore, GcReport, OpenOptions, SaveWriter
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_GRACE_SECONDS",
     "PROTOCOL_VERSION",
+    "AuthPolicy",
+    "GcReport",
+    "Keyring",
+    "OpenOptions",
+    "RetryPolicy",
+    "UnauthenticatedWarning",
     "Backend",
     "Capabilities",
     "CheckpointStore",

@@ -115,7 +115,7 @@ class IdentityMismatchError(CkptStoreError):
             advice = (
                 "Only the number of ranks changed: to continue this run on the new world size, open it with "
                 "open_distributed(..., reshard=True) and load the save with the DCP reader "
-                "(ckptstore.distributed.dcp), which reshards; the per-rank Checkpointer path (RankStore) cannot. "
+                "(ckptstore.distributed.dcp.writer), which reshards; the per-rank Checkpointer path (RankStore) cannot. "
                 "Or resume with the original world size."
             )
         else:

@@ -1,14 +1,7 @@
-"""CheckpointStore: the public facade over the layers.
+"""CheckpointStore: the public facade over the engine.
 
-Each job lives in its own module, imports only downward::
-
-    protocol/   records, layout, selection and gc decisions (pure)
-    runio       backend + retry + bounded/verified I/O + create with read-back
-    runbind     run identity (RUN.json)          fencing   attempts and fences
-    commits     commit names, newest first       catalog   the candidate walk: select, list
-    writer      stage + publish                  reader    verified reads, verify
-    gcrun       garbage collection               ledger    event ledger        store  this facade
-
+Each job lives in its own module of :mod:`ckptstore.core` (whose docstring
+holds the one written layer order); this module only wires them together.
 The sequences are specified in ``protocol_spec/PROTOCOL.md``; keep the two in step.
 """
 
@@ -18,17 +11,26 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
-from .authn import RecordAuth
 from .backends.base import Backend
-from .catalog import Catalog
+from .core.binding import bind_identity, read_identity, read_run_record
+from .core.bounded_io import RunIO
+from .core.catalog import Catalog
+from .core.collector import GcReport, collect
+from .core.fencing import AttemptLog
+from .core.hashing import CHUNK
+from .core.ledger import Ledger
+from .core.preflight import check_can_write, check_metadata, check_open_args
+from .core.reader import Reader, VerifyReport
+from .core.record_auth import RecordAuth
+from .core.resume_point import resume_point
+from .core.signing import SignReport, sign_run
+from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
+from .defaults import DEFAULT_GRACE_SECONDS
 from .errors import InvalidInputError
-from .fencing import AttemptLog
-from .gcrun import GcReport, collect
-from .guards import check_can_write, check_metadata, check_open_args
 from .identity import RunIdentity, identity_digest, normalize_identity
-from .ledger import Ledger
 from .protocol import (
     AttemptRecord,
     ComponentEntry,
@@ -41,22 +43,33 @@ from .protocol import (
 )
 from .protocol.auth import AuthPolicy, Keyring
 from .protocol.selection import SaveInfo, SaveRef, Selection
-from .reader import Reader, VerifyReport
-from .resumepoint import resume_point
 from .retry import RetryPolicy
-from .runbind import bind_identity, read_identity, read_run_record
-from .runio import RunIO
-from .signrun import SignReport, sign_run
-from .streams import CHUNK
-from .writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
 
 __all__ = [
-    "DEFAULT_GRACE_SECONDS", "CheckpointStore", "GcReport", "SaveInfo", "SaveRef", "SaveWriter", "Selection",
+    "DEFAULT_GRACE_SECONDS", "CheckpointStore", "GcReport", "OpenOptions", "SaveInfo", "SaveRef", "SaveWriter", "Selection",
     "StagedSave", "VerifyReport",
 ]
 
-DEFAULT_GRACE_SECONDS = 3600.0
 ResumeFrom = int | None | Literal["latest"]
+
+
+@dataclass(frozen=True)
+class OpenOptions:
+    """Every choice :meth:`CheckpointStore.open` takes besides the URL, the
+    run ID and ``storage_options``, with the same defaults and meanings (see
+    :meth:`CheckpointStore.open`); ``dataclasses.replace`` makes a variant."""
+
+    identity: RunIdentity | Mapping[str, Any] | None = None
+    mode: Literal["r", "w"] | None = None
+    resume_from: ResumeFrom = "latest"
+    retry: RetryPolicy | None = None
+    lineage: Mapping[str, Any] | None = None
+    resume_verify: Literal["deep", "cheap"] = "deep"
+    join_attempt: int | None = None
+    single_writer: bool = False
+    auth_policy: AuthPolicy | str = "off"
+    keyring: Keyring | None = None
+    protocol_version: int | None = None
 
 
 class CheckpointStore:
@@ -73,23 +86,13 @@ class CheckpointStore:
     atomic create-if-absent.
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        run_id: str,
-        *,
-        identity: RunIdentity | Mapping[str, Any] | None = None,
-        mode: Literal["r", "w"] | None = None,
-        resume_from: ResumeFrom = "latest",
-        retry: RetryPolicy | None = None,
-        lineage: Mapping[str, Any] | None = None,
-        resume_verify: Literal["deep", "cheap"] = "deep",
-        join_attempt: int | None = None,
-        single_writer: bool = False,
-        auth_policy: AuthPolicy | str = "off",
-        keyring: Keyring | None = None,
-        protocol_version: int | None = None,
-    ) -> None:
+    def __init__(self, backend: Backend, run_id: str, options: OpenOptions | None = None) -> None:
+        """Use :meth:`open` (this constructor takes the same choices as one
+        :class:`OpenOptions`, for code that already holds a :class:`Backend`)."""
+        o = options or OpenOptions()
+        identity, mode, resume_from, resume_verify = o.identity, o.mode, o.resume_from, o.resume_verify
+        join_attempt, single_writer, lineage, protocol_version = o.join_attempt, o.single_writer, o.lineage, o.protocol_version
+        retry, auth_policy, keyring = o.retry, o.auth_policy, o.keyring
         self.backend = backend
         self.auth = self._auth = RecordAuth(auth_policy, keyring)  # public: plug-ins tag their own files with it
         self._resume_deep = resume_verify == "deep"
@@ -148,7 +151,7 @@ class CheckpointStore:
 
         ``url``: a directory path, ``file://``, ``memory://NAME``, ``s3://bucket/prefix``,
         ``gs://bucket/prefix`` (or ``gcs://``), any scheme a plug-in registered
-        (:mod:`ckptstore.registry`), or a :class:`Backend`.
+        (:mod:`ckptstore.backends.schemes`), or a :class:`Backend`.
 
         Writing (``mode="w"``, default when ``identity`` is given): a new run's
         identity record is created exclusively; an existing run's identity must
@@ -181,14 +184,14 @@ class CheckpointStore:
         ``protocol_version``: of a run this call creates (default the newest, 2; 1 keeps
         it readable by releases that know only 1). An existing run keeps its own: another is refused.
         """
-        from .registry import backend_from_url
+        from .backends.schemes import backend_from_url
 
         backend = url if isinstance(url, Backend) else backend_from_url(url, storage_options=storage_options)
-        return cls(
-            backend, run_id, identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
+        return cls(backend, run_id, OpenOptions(
+            identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
             resume_verify=resume_verify, join_attempt=join_attempt, single_writer=single_writer,
             auth_policy=auth_policy, keyring=keyring, protocol_version=protocol_version,
-        )
+        ))
 
     @property
     def run_record(self) -> dict[str, Any]:

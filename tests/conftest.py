@@ -131,7 +131,7 @@ class ObjectServers:
         self._s3_session: object | None = None
 
     def server(self, kind: str):  # type: ignore[no-untyped-def]
-        from backends.servers import SERVERS, ServerStartError
+        from devservers.servers import SERVERS, ServerStartError
 
         kind = kind.removesuffix("-obstore")  # the same server under the other S3 client
 
@@ -146,7 +146,7 @@ class ObjectServers:
         return self.servers[kind]
 
     def url_and_options(self, kind: str, prefix: str) -> tuple[str, dict]:  # type: ignore[type-arg]
-        from backends.servers import BUCKET
+        from devservers.servers import BUCKET
 
         if kind == "external-s3":
             return os.environ["CKPT_EXTERNAL_S3_URL"].rstrip("/") + "/" + prefix, {}
@@ -157,7 +157,7 @@ class ObjectServers:
         return f"{scheme}://{BUCKET}/{prefix}", srv.storage_options()  # type: ignore[attr-defined]
 
     def backend(self, kind: str, prefix: str) -> Backend:
-        from ckptstore.registry import backend_from_url as object_store_backend
+        from ckptstore.backends.schemes import backend_from_url as object_store_backend
 
         url, opts = self.url_and_options(kind, prefix)
         if kind in ("seaweedfs", "moto"):

@@ -2,7 +2,7 @@
 
 Backends are deliberately dumb: they move bytes and report what happened.
 Retries, conflict resolution (the lost-acknowledgement read-back), hashing and
-selection live above them (:mod:`ckptstore.runio` and up), written once.
+selection live above them (:mod:`ckptstore.core.bounded_io` and up), written once.
 
 Contract (each backend's conformance tests check it):
 

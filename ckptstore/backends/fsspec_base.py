@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from ..errors import TransientError as TransientError
-from ..redact import redact_text, redact_url
+from ..util.redact import redact_text, redact_url
 from .base import Backend, Buffer, Capabilities, ObjectInfo, byte_limits, check_depth, check_key
 
 _TRANSIENT_NAMES = (

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..redact import redact_text, redact_url
+from ..util.redact import redact_text, redact_url
 from .base import check_depth
 from .fsspec_base import FsspecBackend, finish_backend, prepare_options, status_of
 

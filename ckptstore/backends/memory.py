@@ -25,6 +25,23 @@ class MemoryBackend(Backend):
         self._lock = threading.Lock()
         self._objects: dict[str, tuple[bytes, float]] = {}
 
+    # ground truth for the conformance suite: bytes as stored, no backend logic
+    def plant(self, key: str, data: bytes) -> None:
+        """Store ``data`` at ``key`` directly, as someone with access to the storage would."""
+        with self._lock:
+            self._objects[key] = (bytes(data), time.time())
+
+    def stored(self, key: str) -> bytes | None:
+        """The bytes stored at ``key``, or None."""
+        with self._lock:
+            entry = self._objects.get(key)
+        return None if entry is None else entry[0]
+
+    def unplant(self, key: str) -> None:
+        """Remove whatever is stored at ``key`` (nothing if absent)."""
+        with self._lock:
+            self._objects.pop(key, None)
+
     def get(self, key: str) -> bytes:
         with self._lock:
             try:

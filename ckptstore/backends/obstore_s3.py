@@ -29,7 +29,7 @@ transient (obstore's own retries run first, below ours), 501 or
 ``NotSupportedError`` mean the server cannot commit atomically and committing
 is refused. A create whose reply was lost surfaces as a transient error or,
 after obstore's own retry, as "exists"; either way the read-back of the
-lost-acknowledgement protocol (:meth:`ckptstore.runio.RunIO.create`) settles it.
+lost-acknowledgement protocol (:meth:`ckptstore.core.bounded_io.RunIO.create`) settles it.
 
 Components are a single PUT up to one 16 MiB part, else a multipart upload
 (16 MiB parts, 4 in flight); if the source fails obstore aborts the upload.
@@ -56,7 +56,7 @@ from ..errors import (
     TransientError,
     UnsupportedBackendError,
 )
-from ..redact import redact_text, redact_url
+from ..util.redact import redact_text, redact_url
 from .base import Backend, Buffer, Capabilities, ObjectInfo, check_depth, check_key
 from .fsspec_base import PART_SIZE, probe_endpoint
 

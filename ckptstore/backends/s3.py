@@ -21,7 +21,7 @@ from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidInputError, UnsupportedBackendError
-from ..redact import redact_text, redact_url
+from ..util.redact import redact_text, redact_url
 from .base import Buffer, check_depth
 from .fsspec_base import PART_SIZE, FsspecBackend, error_code, finish_backend, mtime_of, prepare_options, status_of
 

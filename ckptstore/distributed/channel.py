@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CkptStoreError
+from ..shims.torch_private import default_store
 
 _POLL = 0.02
 #: seconds between heartbeats
@@ -154,7 +155,7 @@ class Channel:
         self.timeout = float(timeout)
         #: a rank whose heartbeat stopped this long is given up on (see :meth:`alert`)
         self.dead_after = DEAD_AFTER
-        self._store = dist.distributed_c10d._get_default_store()
+        self._store = default_store()
         gid = hashlib.sha1(",".join(map(str, self.ranks)).encode()).hexdigest()[:10]
         self.base = f"ckptstore/{name}/{gid}"
         self.nonce = agree_nonce(group, self.ranks[0])
@@ -227,7 +228,7 @@ class Channel:
             mine[self.nonce] = [k for _, k in self._mine]
             data = encode(mine)
         with contextlib.suppress(Exception):
-            self._store.set(f"{self.base}/live/{self.rank}", data)  # type: ignore[arg-type]
+            self._store.set(f"{self.base}/live/{self.rank}", data)
 
     def _remember(self, seq: int, key: str) -> None:
         self._mine.append((seq, key))
@@ -272,7 +273,7 @@ class Channel:
         """This rank's message ``what`` of exchange ``tag``."""
         key = self._key(tag, what, self.rank)
         try:
-            self._store.set(key, encode(payload))  # type: ignore[arg-type]
+            self._store.set(key, encode(payload))
         except Exception as exc:
             raise CoordinatorLostError(f"rank {self.rank}: cannot reach the rendezvous store ({exc})") from exc
         seq = tag.rsplit("/", 1)[-1]

@@ -57,11 +57,6 @@ def _hook(name: str) -> None:
         fn()
 
 
-def _ref_json(ref: SaveRef | None) -> dict[str, Any] | None:
-    if ref is None:
-        return None
-    return {"step": ref.step, "attempt": ref.attempt, "save_id": ref.save_id, "manifest_digest": ref.manifest_digest}
-
 
 def _ref_from_json(store: CheckpointStore, d: Mapping[str, Any]) -> SaveRef:
     ref = store.get_save(int(d["step"]), int(d["attempt"]))
@@ -233,7 +228,7 @@ class DistributedSave:
                 self.step, self.save_id, comps, metadata=self.metadata, ranks=ranks, world_size=ch.world_size
             )
             _hook("after_publish")
-            outcome: dict[str, Any] = {"ok": True, "ref": _ref_json(ref)}
+            outcome: dict[str, Any] = {"ok": True, "ref": ref.to_json()}
         except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
             err = exc
             outcome = {"ok": False, "error": error_to_json(exc)}
@@ -348,7 +343,7 @@ def _open_on(  # noqa: PLR0913 - open_distributed's arguments, in order
             assert store.attempt is not None
             outcome: dict[str, Any] = {
                 "ok": True, "attempt": store.attempt.number, "identity": store.identity,
-                "resumed_from": _ref_json(store.resumed_from), "resharded": resharded,
+                "resumed_from": (store.resumed_from.to_json() if store.resumed_from else None), "resharded": resharded,
             }
         except Exception as exc:  # noqa: BLE001
             err = exc
@@ -440,7 +435,7 @@ def _coordinator_open(
             raise WorldSizeMismatchError(
                 f"run {run_id!r}: the save being resumed (step {ref.step if ref else '?'}) was written by "
                 f"{saved_ws} ranks, this job has {world_size}; pass reshard=True and load it with the DCP reader "
-                "(ckptstore.distributed.dcp), which reshards (the per-rank Checkpointer path, RankStore, cannot), "
+                "(ckptstore.distributed.dcp.writer), which reshards (the per-rank Checkpointer path, RankStore, cannot), "
                 f"or resume with {saved_ws} ranks"
             )
         resharded = {"from_world_size": saved_ws, "to_world_size": world_size}

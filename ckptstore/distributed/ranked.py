@@ -32,7 +32,7 @@ Decided once, by the coordinator, for all ranks:
 
 A run opened with ``reshard=True`` that changed the world size is refused
 here, on every rank alike: each rank's state is its own and cannot be
-resharded; the DCP reader (:mod:`ckptstore.distributed.dcp`) reshards.
+resharded; the DCP reader (:mod:`ckptstore.distributed.dcp.writer`) reshards.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from .. import protocol as P
+from ..core.collector import GcReport
 from ..errors import CkptStoreError, CorruptionError
-from ..gcrun import GcReport
 from ..protocol.selection import SaveRef, SaveState
 from ..store import DEFAULT_GRACE_SECONDS, CheckpointStore
 from .coordinator import DistributedRun, DistributedSave
@@ -91,7 +91,7 @@ class RankStore:
                 f"{'' if rs.get('resumed_from') is None else ' of step ' + str(rs['resumed_from'])} was written by "
                 f"{rs.get('from_world_size')} ranks, this job has {rs.get('to_world_size')}. RankStore (the "
                 "Checkpointer on many ranks) keeps each rank's own state and cannot reshard it: load the save with "
-                "the DCP reader (ckptstore.distributed.dcp, which reshards), or resume with "
+                "the DCP reader (ckptstore.distributed.dcp.writer, which reshards), or resume with "
                 f"{rs.get('from_world_size')} ranks, or start a new run ID (lineage=store.lineage_of(ref))"
             )
         self.run = run
@@ -259,7 +259,7 @@ class RankStore:
         if not run.is_coordinator:
             old = run.store
             try:
-                new = CheckpointStore(old.backend, old.run_id, identity=old.identity, join_attempt=attempt)
+                new = CheckpointStore.open(old.backend, old.run_id, identity=old.identity, join_attempt=attempt)
             except CkptStoreError as exc:
                 raise CkptStoreError(
                     f"rank {run.rank}: cannot join the fallback attempt {attempt} of run {old.run_id!r}: {exc}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .records import AttemptRecord, CommitRecord, ComponentEntry
 
@@ -131,6 +132,18 @@ class SaveRef:
     @property
     def total_bytes(self) -> int:
         return self.record.total_bytes
+
+    def to_json(self, *, detail: bool = False) -> dict[str, Any]:
+        """The save as plain JSON: step, attempt, save ID and manifest digest;
+        with ``detail=True`` also its bytes, components and metadata (what
+        ``ckptstore latest --json`` prints)."""
+        out: dict[str, Any] = {"step": self.step, "attempt": self.attempt, "save_id": self.save_id,
+                               "manifest_digest": self.manifest_digest}
+        if detail:
+            out["bytes"] = self.total_bytes
+            out["components"] = {n: c.to_json() for n, c in sorted(self.components.items())}
+            out["metadata"] = self.metadata
+        return out
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ the backend really stored. One implementation per backend family."""
 from __future__ import annotations
 
 import os
-import time
 
 from ..backends.base import Backend
 from ..backends.fsspec_base import FsspecBackend
@@ -27,8 +26,7 @@ class RawAccess:
     def set(self, key: str, data: bytes) -> None:
         b = self.backend
         if isinstance(b, MemoryBackend):
-            with b._lock:  # noqa: SLF001 - ground truth by design
-                b._objects[key] = (bytes(data), time.time())  # noqa: SLF001
+            b.plant(key, data)
         elif isinstance(b, LocalBackend):
             path = os.path.join(b.root, *key.split("/"))
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -49,8 +47,7 @@ class RawAccess:
         b = self.backend
         try:
             if isinstance(b, MemoryBackend):
-                with b._lock:  # noqa: SLF001
-                    return b._objects[key][0]  # noqa: SLF001
+                return b.stored(key)
             if isinstance(b, LocalBackend):
                 with open(os.path.join(b.root, *key.split("/")), "rb") as f:
                     return f.read()
@@ -68,8 +65,7 @@ class RawAccess:
     def delete(self, key: str) -> None:
         b = self.backend
         if isinstance(b, MemoryBackend):
-            with b._lock:  # noqa: SLF001
-                b._objects.pop(key, None)  # noqa: SLF001
+            b.unplant(key)
         elif isinstance(b, LocalBackend):
             try:
                 os.unlink(os.path.join(b.root, *key.split("/")))

@@ -14,7 +14,7 @@ its subtree with it. Up to ``limit`` states are enumerated exhaustively;
 beyond that, a seeded sample is drawn.
 
 ``crash_after`` makes the N-th mutating system call raise
-:class:`~ckptstore.faults.Crashed` before it takes effect, so the
+:class:`~ckptstore.backends.faults.Crashed` before it takes effect, so the
 moment of the power loss can be every syscall boundary of a save.
 """
 
@@ -28,8 +28,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ..backends.base import MAX_KEY_DEPTH, too_deep
+from ..backends.faults import Crashed
 from ..backends.local import PosixOps
-from ..faults import Crashed
 
 Entry = tuple[str, object]  # ("f", ino) | ("d", path)
 

@@ -15,7 +15,7 @@ JSON encoding of the non-JSON shapes (tagged single-key objects):
 * ``{"__dtype": "float32"}`` a torch dtype
 * a dict whose keys start with ``__`` is escaped as ``{"__map": ...}`` too.
 
-Lossless encodings of common non-JSON values (see :func:`_encode_extra`):
+Lossless encodings of common non-JSON values (see :func:`encode_extra`):
 
 * ``{"__path": [class name, str]}`` a ``pathlib`` path (``Path``, ``PurePosixPath``, ...)
 * ``{"__set": [...]}`` / ``{"__frozenset": [...]}`` (elements in a canonical order)
@@ -55,8 +55,8 @@ from .codec_types import (
     NOT_EXTRA,
     TYPES,
     TypeRegistry,
-    _decode_extra,
-    _encode_extra,
+    decode_extra,
+    encode_extra,
     path_str,
     register_type,
 )
@@ -117,7 +117,7 @@ def flatten(state: Any, *, prefix: str = "", registry: TypeRegistry | None = Non
             return x
         if (tx is list or tx is tuple) and all(type(v) is int for v in x):  # e.g. an RNG state
             return list(x) if tx is list else {"__tuple": list(x)}
-        extra = _encode_extra(x, path, walk, types)
+        extra = encode_extra(x, path, walk, types)
         if extra is not NOT_EXTRA:
             return extra
         if isinstance(x, torch.Tensor):
@@ -224,7 +224,7 @@ def _unflatten(tree: Any, tensors: dict[str, torch.Tensor], types: TypeRegistry)
                     return DTYPE_BY_NAME[val]
                 if tag in EXTRA_TAGS:
                     try:
-                        return _decode_extra(tag, val, walk, types)
+                        return decode_extra(tag, val, walk, types)
                     except CorruptionError:
                         raise
                     except (TypeError, ValueError, KeyError, AttributeError, OverflowError):

@@ -102,7 +102,7 @@ def _sort_key(encoded: Any) -> str:
     return json.dumps(encoded, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def _encode_extra(
+def encode_extra(
     x: Any, path: tuple[Any, ...], walk: Callable[[Any, tuple[Any, ...]], Any], types: TypeRegistry
 ) -> Any:
     """The tagged encoding of ``x`` when it is one of the extra kinds, else ``NOT_EXTRA``."""
@@ -181,7 +181,7 @@ def _encode_omegaconf(x: Any, path: tuple[Any, ...], walk: Callable[[Any, tuple[
     return {"__omegaconf": {"content": walk(content, path), "flags": flags}}
 
 
-def _decode_extra(tag: str, val: Any, walk: Callable[[Any], Any], types: TypeRegistry) -> Any:
+def decode_extra(tag: str, val: Any, walk: Callable[[Any], Any], types: TypeRegistry) -> Any:
     try:
         if tag == "__path":
             kind, s = val

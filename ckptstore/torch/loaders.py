@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
 from ..errors import InvalidInputError
+from ..shims.torch_private import hook_next_iterator
 from .sampler import ResumableSampler, carry_position, settle_global_rng, shard_length, warn_diverged
 
 
@@ -121,7 +122,7 @@ class ResumableLoader:
         self.drop_last = drop_last
         self.seed_samples = seed_samples
         self.sampler = ResumableSampler(n, seed=seed, shuffle=shuffle, num_replicas=num_replicas, rank=rank)
-        self.sampler._keyed = seed_samples
+        self.sampler.keyed = seed_samples
         self.epoch = 0
         #: batches of ``epoch`` handed to the training loop
         self.batches = 0
@@ -158,7 +159,7 @@ class ResumableLoader:
             self.rng_after_resume = settle_global_rng(expected, "ResumableLoader")
         if self.batches >= self._batches_per_epoch():
             self.epoch, self.batches = self.epoch + 1, 0
-        self.sampler._start(self.epoch, min(self.batches * self.batch_size, self.sampler.length))
+        self.sampler.start_at(self.epoch, min(self.batches * self.batch_size, self.sampler.length))
         self._live += 1
         try:
             for batch in self._dl:
@@ -280,11 +281,9 @@ def fix_stateful_dataloader_resume(
     back to their state at save time — torchdata restores them to their state
     from before the epoch's base-seed draw — and undo any draw the iterator
     creation made from the global RNG. One shot; the hook removes itself."""
-    original: Callable[[], Any] = loader._get_iterator
     gens = loader_generators(loader)
 
-    def _get_iterator() -> Any:
-        del loader._get_iterator  # back to the class method
+    def first_iterator(original: Callable[[], Any]) -> Any:
         before = torch.get_rng_state()
         it = original()
         for k, st in generator_states.items():
@@ -297,7 +296,7 @@ def fix_stateful_dataloader_resume(
                 warn_diverged("StatefulDataLoader")
         return it
 
-    loader._get_iterator = _get_iterator
+    hook_next_iterator(loader, first_iterator)
 
 
 def live_iterator_problem(name: str, obj: Any) -> str | None:

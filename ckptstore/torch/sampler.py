@@ -138,7 +138,7 @@ class ResumableSampler(Sampler[int]):
         self.offset = 0
         self.manual = False
         #: yield ``epoch * num_samples + index`` instead of ``index`` (ResumableLoader's per-sample seeding)
-        self._keyed = False
+        self.keyed = False
         self._live = 0  # iterators started and not finished
         self._start_pos = (0, 0)  # where the latest iterator started
         self._armed: torch.Tensor | None = None
@@ -180,7 +180,7 @@ class ResumableSampler(Sampler[int]):
             if not self.manual:
                 self.epoch, self.offset = epoch, offset
         order = self.order(epoch)
-        base = epoch * self.num_samples if self._keyed else 0
+        base = epoch * self.num_samples if self.keyed else 0
         self._start_pos = (epoch, offset)
         self._live += 1
         try:
@@ -227,8 +227,10 @@ class ResumableSampler(Sampler[int]):
         self.manual = True
         self.epoch, self.offset = epoch, offset + n
 
-    def _start(self, epoch: int, offset: int) -> None:
-        """ResumableLoader: where the next iterator starts (the loader keeps the position)."""
+    def start_at(self, epoch: int, offset: int) -> None:
+        """Where the next iterator starts, set by an owner that keeps the
+        position itself (``ResumableLoader``); from then on the sampler stops
+        advancing its own position (``manual``)."""
         self.manual = True
         self.epoch, self.offset = epoch, offset
 

@@ -19,7 +19,7 @@ stops applying would report nothing. To retarget after a refactor, change only
 its ``rule``. (Retargeted once already: from the single ``store.py`` to the
 layered core — writer, fencing, catalog, gcrun, runio, protocol/gcplan.)
 
-Part of the default test command through ``tests/test_mutation_check.py``:
+Part of the default test command through ``tests/house/test_mutation_check.py``:
 one test checks that every snippet still occurs exactly once (a refactor that
 moves one fails there, by name), one runs this script and requires every
 mutation caught (about 45 s on the 2-core machine).
@@ -55,13 +55,13 @@ class Mutation:
     survivor: bool = False  # one of the round-1 survivors
 
 
-T_INV = "tests/test_invariants_after_crash.py"
-T_WIRE = "tests/test_wire_faults.py"
-T_PROTO = "tests/test_protocol.py"
-T_CRASH = "tests/test_crash_consistency.py"
-T_OUT = "tests/test_commit_outcomes.py"
-WRITER = "ckptstore/writer.py"
-CATALOG = "ckptstore/catalog.py"
+T_INV = "tests/store/test_injected_faults.py"
+T_WIRE = "tests/backends/test_wire_faults.py"
+T_PROTO = "tests/store/test_invariants.py"
+T_CRASH = "tests/store/test_crash_consistency.py"
+T_OUT = "tests/store/test_commit_outcomes.py"
+WRITER = "ckptstore/core/writer.py"
+CATALOG = "ckptstore/core/catalog.py"
 
 INVENTORY = ("        _verify_inventory(ctx, step, save_id, comps)\n"
              "        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)\n")
@@ -90,7 +90,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "gc-components-before-record",
         "gc deletes a save's commit record before its components (PROTOCOL §4.5 step 3)",
-        "ckptstore/gcrun.py",
+        "ckptstore/core/collector.py",
         (("""        if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
             actions.append(GcAction(catalog.commit_key(info.step, info.attempt), reason))
         for name in sorted(scan.save_objects.get(info.save_id, {})):
@@ -105,7 +105,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "attempt-plain-put",
         "attempt numbers are registered with create-if-absent (PROTOCOL §4.2 step 3), never a plain put",
-        "ckptstore/fencing.py",
+        "ckptstore/core/fencing.py",
         (("""            if not self.io.create(attempt_key(self.io.run_id, number), rec.encode(), what="attempt record"):
                 continue  # another process took this number; try the next one""",
           """            self.io.backend.put(attempt_key(self.io.run_id, number), [rec.encode()])"""),),
@@ -125,7 +125,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "lost-ack-read-back-is-conflict",
         "an 'already exists' after a lost reply is settled by reading the record back (§4.3 step 6)",
-        "ckptstore/runio.py",
+        "ckptstore/core/bounded_io.py",
         (("            return existing == data\n", "            return False\n"),),
         (f"{T_OUT}::test_lost_ack_on_commit_commits_exactly_once",
          f"{T_WIRE}::test_lost_acknowledgement_of_the_commit_is_real_and_settled"),
@@ -177,7 +177,7 @@ MUTATIONS: list[Mutation] = [
           "        if False:\n            return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED"),),
         (f"{T_PROTO}::test_zombie_commit_that_slipped_through_is_superseded",),
         # selection also skips superseded candidates by name, before any record is read
-        elsewhere=(("ckptstore/selectlimits.py",
+        elsewhere=(("ckptstore/core/selection_limits.py",
                     "        if later is not None:\n            return SkipReason.SUPERSEDED",
                     "        if False:\n            return SkipReason.SUPERSEDED"),),
     ),
@@ -209,7 +209,7 @@ MUTATIONS: list[Mutation] = [
         "the S3 commit is a PutObject with If-None-Match: * (§7.1)",
         "ckptstore/backends/s3.py",
         (('Body=data, IfNoneMatch="*")', "Body=data)"),),
-        ("tests/test_backend_conformance.py::TestBackendConformance::test_create_if_absent",),
+        ("tests/backends/test_conformance.py::TestBackendConformance::test_create_if_absent",),
         backends="moto",
     ),
 ]

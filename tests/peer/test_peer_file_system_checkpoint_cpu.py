@@ -4,7 +4,7 @@ The upstream file (``upstream/test_file_system_checkpoint_cpu.py``, see
 ``PROVENANCE.md``) is executed in this module's namespace after
 ``torch.distributed.checkpoint.FileSystemWriter`` / ``FileSystemReader`` (and
 the copies ``dcp.save(checkpoint_id=path)`` uses) were replaced by
-:class:`~ckptstore.distributed.dcp_compat.PathStoreWriter` /
+:class:`~ckptstore.distributed.dcp.compat.PathStoreWriter` /
 ``PathStoreReader``. The suite's rank processes are spawned and re-import
 this module, so the swap happens in every process before the test code runs.
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as _dcp
 from torch.distributed.checkpoint import _storage_utils
 
-from ckptstore.distributed.dcp_compat import PathStoreReader, PathStoreWriter
+from ckptstore.distributed.dcp.compat import PathStoreReader, PathStoreWriter
 
 UPSTREAM = Path(__file__).with_name("upstream") / "test_file_system_checkpoint_cpu.py"
 BASELINE = os.environ.get("CKPT_PEER_BASELINE") == "1"

@@ -1,0 +1,82 @@
+"""URL schemes → backends.
+
+Built in: a plain path or ``file://`` (local disk), ``memory://NAME``,
+``s3://``, ``gs://``/``gcs://`` and ``s3+obstore://`` (S3 through obstore,
+extra ``obstore``). A third-party package adds a scheme with an
+entry point in the ``ckptstore.backends`` group whose value is a factory
+``(url: str, storage_options: dict) -> Backend``::
+
+    [project.entry-points."ckptstore.backends"]
+    az = "mypkg.azure:backend_from_url"
+
+or, at run time, :func:`register_scheme`. A registered scheme replaces a
+built-in one of the same name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Any
+from urllib.parse import urlparse
+
+from ..errors import InvalidInputError
+from .base import Backend
+
+Factory = Callable[[str, dict[str, Any]], Backend]
+
+_BUILTIN: dict[str, str] = {
+    "file": "ckptstore.backends.local:backend_from_url",
+    "memory": "ckptstore.backends.memory:backend_from_url",
+    "s3": "ckptstore.backends.s3:backend_from_url",
+    "s3+obstore": "ckptstore.backends.obstore_s3:backend_from_url",
+    "gs": "ckptstore.backends.gcs:backend_from_url",
+    "gcs": "ckptstore.backends.gcs:backend_from_url",
+}
+_registered: dict[str, Factory] = {}
+
+
+def register_scheme(scheme: str, factory: Factory) -> None:
+    """Make ``scheme://`` URLs open with ``factory`` in this process."""
+    if not scheme.isalnum():
+        raise InvalidInputError(f"URL scheme {scheme!r} must be alphanumeric")
+    _registered[scheme.lower()] = factory
+
+
+def _load(spec: str) -> Factory:
+    module, _, attr = spec.partition(":")
+    fn: Factory = getattr(importlib.import_module(module), attr)
+    return fn
+
+
+def _factory(scheme: str) -> Factory | None:
+    if scheme in _registered:
+        return _registered[scheme]
+    for ep in entry_points(group="ckptstore.backends"):
+        if ep.name.lower() == scheme:
+            fn: Factory = ep.load()
+            return fn
+    spec = _BUILTIN.get(scheme)
+    return _load(spec) if spec else None
+
+
+def known_schemes() -> list[str]:
+    names = set(_BUILTIN) | set(_registered) | {ep.name.lower() for ep in entry_points(group="ckptstore.backends")}
+    return sorted(names)
+
+
+def backend_from_url(url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> Backend:
+    """A backend for ``url`` (a plain path means the local disk)."""
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidInputError("store URL must be a non-empty string or path")
+    scheme = urlparse(url).scheme.lower() if "://" in url else "file"
+    factory = _factory(scheme)
+    if factory is None:
+        raise InvalidInputError(
+            f"unknown URL scheme {scheme!r}; known: {', '.join(known_schemes())} (or a plain directory path)"
+        )
+    return factory(url, dict(storage_options or {}))

@@ -1,0 +1,46 @@
+"""The engine behind :class:`~ckptstore.CheckpointStore`: every step of the
+publication protocol (``protocol_spec/PROTOCOL.md``) that touches storage.
+
+Training code does not import this package; it uses the facade
+(:mod:`ckptstore.store`). The pure decisions (record formats, names, which
+save is selected, what gc may delete) live in :mod:`ckptstore.protocol`.
+
+The layer order of the whole core, bottom to top. A module imports only
+modules listed above it (modules of ``protocol`` form one layer); this block
+is the one written copy, and ``tests/house/test_layers.py`` reads it::
+
+    errors                    the one exception hierarchy
+    util.redact               credentials out of messages and records
+    util.terminal             storage strings made safe to print
+    util.files                directory fsync, atomic replace
+    defaults                  the budget and gc-grace defaults
+    protocol                  records, layout, selection, gc plan (pure, no I/O)
+    identity                  what makes two processes the same experiment
+    retry                     the one backoff policy
+    backends.base             the Backend interface
+    backends.memory           in-process backend
+    backends.posix            no-follow POSIX primitives
+    backends.local            a local directory (link/rename commit)
+    backends.fsspec_base      shared code of the fsspec object stores
+    backends.s3               S3 (conditional PUT commit)
+    backends.gcs              GCS (generation-precondition commit)
+    backends.obstore_s3       S3 through obstore (optional transport)
+    backends.faults           a fault-injecting wrapper around any backend
+    backends.schemes          URL schemes to backends
+    core.hashing              chunk streams hashed while written
+    core.preflight            checks before anything is written
+    core.bounded_io           one run's I/O: retried, bounded, verified
+    core.record_auth          keys and record tags in use
+    core.binding              a run ID bound to its identity (RUN.json)
+    core.fencing              attempts, fences, heartbeats
+    core.commit_names         which commit records a run has, newest first
+    core.selection_limits     what selection may conclude without reading
+    core.catalog              the candidate walk: select, list, verify
+    core.writer               stage and publish a save
+    core.reader               verified reads
+    core.collector            garbage collection carried out
+    core.ledger               the append-only event ledger
+    core.resume_point         the save a writer resumes from
+    core.signing              signing an existing run after the fact
+    store                     the public facade
+"""

@@ -1,0 +1,282 @@
+"""The run I/O floor: one backend, one retry policy, one run's keys.
+
+Everything above (fencing, catalog, writer, reader, gc) reaches storage only
+through :class:`RunIO`, which adds what every caller needs and no backend
+should repeat: retries with backoff, bounded reads of records, the
+create-if-absent with the lost-acknowledgement read-back, streamed puts hashed
+while written, and bounded, verified streaming of components.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import blake3
+
+from ..backends.base import Backend, ObjectInfo
+from ..errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUnavailableError, TransientError
+from ..protocol import ComponentEntry, Layout
+from ..retry import RetryPolicy
+from ..util.redact import redact_text
+from .hashing import CHUNK, BackgroundHasher, HashingStream, is_replayable, rewind
+
+
+class RunIO:
+    """Storage access for one run of one store."""
+
+    def __init__(self, backend: Backend, run_id: str, retry: RetryPolicy | None = None) -> None:
+        self.backend = backend
+        self.run_id = run_id
+        self.retry = retry or RetryPolicy()
+        #: component bytes read so far (reads of records not counted)
+        self.bytes_read = 0
+        #: how the run names its commits (PROTOCOL.md §1.1): set by ``runbind``
+        #: once the run record was read or created
+        self.layout_or_none: Layout | None = None
+
+    @property
+    def layout(self) -> Layout:
+        if self.layout_or_none is None:
+            raise AssertionError(f"run {self.run_id!r}: its layout is not known before its run record was read")
+        return self.layout_or_none
+
+    def where(self, key: str) -> str:
+        """A human-readable location for messages."""
+        return f"{self.backend.url.rstrip('/')}/{key}"
+
+    # ------------------------------------------------------------ plain ops
+    def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]:
+        if not flat:
+            return self.retry.call(lambda: self.backend.list(prefix))
+        return self.retry.call(lambda: self.backend.list(prefix, flat=True))
+
+    def list_keys(
+        self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False
+    ) -> builtins.list[str]:
+        """Keys under ``prefix`` after ``start_after``, ascending, names only (``Backend.list_keys``;
+        ``flat``: only those directly under it)."""
+        if not flat:
+            return self.retry.call(lambda: self.backend.list_keys(prefix, start_after=start_after, limit=limit))
+        return self.retry.call(lambda: self.backend.list_keys(prefix, start_after=start_after, limit=limit, flat=True))
+
+    def size(self, key: str) -> int:
+        return self.retry.call(lambda: self.backend.size(key))
+
+    def delete(self, key: str) -> None:
+        self.retry.call(lambda: self.backend.delete(key))
+
+    def get_bounded(self, key: str, max_bytes: int) -> bytes:
+        """The object's bytes, reading at most ``max_bytes + 1`` of them (a
+        longer object comes back one byte too long, for the caller's size
+        check to refuse)."""
+        return self.retry.call(lambda: self.backend.get_range(key, 0, max_bytes + 1))
+
+    def get_many_bounded(
+        self, keys: builtins.list[str], max_bytes: int, listed: builtins.list[int] | None = None
+    ) -> builtins.list[bytes | None]:
+        """:meth:`get_bounded` of many small objects at once (None: no such
+        object); if the batch fails transiently, one by one with retries.
+        ``listed``: each key's size in the listing that named it; each is then
+        read up to that size + 1 (still at most ``max_bytes + 1``), so a batch
+        of records that grew since the listing costs their listed sizes, not
+        the cap each (a longer object comes back one byte longer than listed)."""
+        limits = [max_bytes] * len(keys) if listed is None else [min(max_bytes, max(0, n)) for n in listed]
+        if len(limits) != len(keys):
+            raise ValueError(f"get_many_bounded: {len(limits)} sizes for {len(keys)} keys")
+        try:
+            return self.backend.get_many(keys, [m + 1 for m in limits])
+        except TransientError:
+            pass
+        out: builtins.list[bytes | None] = []
+        for k, m in zip(keys, limits, strict=True):
+            try:
+                out.append(self.get_bounded(k, m))
+            except NotFoundError:
+                out.append(None)
+        return out
+
+    # --------------------------------------------------------------- create
+    def create(self, key: str, data: bytes, *, what: str) -> bool:
+        """Create-if-absent with retries and the lost-acknowledgement read-back.
+
+        Returns True if *our* bytes are now at ``key`` (created by this call or
+        by an earlier try whose reply was lost), False if someone else's are.
+        Raises :class:`CommitUnknownError` when the outcome cannot be settled.
+        """
+        uncertain = False
+        policy = self.retry
+        for i in range(policy.attempts):
+            try:
+                created = self.backend.create(key, data)
+            except TransientError as exc:
+                uncertain = True
+                if i == policy.attempts - 1:
+                    consequence = (
+                        "if it did, this process holds that attempt and has fenced off older writers"
+                        if what == "attempt record" else "treat this save as not acknowledged"
+                    )
+                    raise CommitUnknownError(
+                        f"{self.where(key)}: the {what} create failed {policy.attempts} times ({redact_text(str(exc))}); "
+                        f"it may or may not have landed: {consequence}."
+                    ) from exc
+                policy.backoff(i)
+                continue
+            if created:
+                return True
+            # "Already exists": ours from a lost reply, or another writer's?
+            try:
+                existing = self.get_bounded(key, len(data))
+            except (NotFoundError, StoreUnavailableError) as exc:
+                if uncertain:
+                    raise CommitUnknownError(
+                        f"{self.where(key)}: the {what} exists but cannot be read back ({redact_text(str(exc))}); "
+                        "its outcome is unknown. Treat this save as not acknowledged."
+                    ) from exc
+                raise
+            return existing == data
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ put
+    def put_hashed(self, key: str, data: Any) -> tuple[int, str]:
+        """Stream ``data`` to ``key``, hashing it with BLAKE3 as it is written;
+        (size, digest) of exactly the bytes handed to the backend. A transient
+        failure is retried when the source can be replayed."""
+        replayable = is_replayable(data)
+        policy = self.retry
+        for i in range(policy.attempts):
+            stream = HashingStream(data)
+            try:
+                self.backend.put(key, stream)
+                return stream.size, stream.hexdigest()
+            except TransientError:
+                if not replayable or i == policy.attempts - 1:
+                    raise
+                rewind(data)
+                policy.backoff(i)
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- reads
+    def iter_object(self, key: str, size: int, chunk: int = CHUNK) -> Iterator[bytes]:
+        """The object in chunks, never reading more than ``size + 1`` bytes in
+        all (the extra byte, when present, tells the caller the object grew).
+        A short block ends the iteration: the object ended before ``size``
+        (the caller's size check reports it), so a huge size claim costs one
+        request past the real end, not one per chunk of the claim."""
+        if size < chunk:
+            data = self.get_bounded(key, size)
+            self.bytes_read += len(data)
+            yield data
+            return
+        for off in range(0, size, chunk):
+            end = min(size, off + chunk)
+            stop = size + 1 if end == size else end
+            data = self.retry.call(partial(self.backend.get_range, key, off, stop))
+            self.bytes_read += len(data)
+            yield data
+            if len(data) < end - off:
+                return
+
+    def hash_object(self, key: str, size: int) -> tuple[int, str]:
+        """(bytes seen, BLAKE3) of the object, reading at most ``size + 1`` bytes."""
+        h = blake3.blake3()
+        seen = 0
+        for block in self.iter_object(key, size):
+            seen += len(block)
+            h.update(block)
+        return seen, h.hexdigest()
+
+    def verified_chunks(self, key: str, comp: ComponentEntry, label: str, chunk: int = CHUNK) -> Iterator[bytes]:
+        """Stream a component, verifying its size on every chunk and its digest
+        at the end. The final chunk is yielded only after the whole component
+        verified: a consumer that reaches the end has seen only verified bytes;
+        on a mismatch :class:`CorruptionError` comes instead of the last chunk."""
+        h = blake3.blake3()
+        got = 0
+        held: bytes | None = None
+        try:
+            for block in self.iter_object(key, comp.size, chunk):
+                got += len(block)
+                if got > comp.size:
+                    break
+                h.update(block)
+                if held is not None:
+                    yield held
+                held = block
+        except NotFoundError:
+            raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
+        if got != comp.size:
+            raise CorruptionError(
+                f"{self.where(key)}: {label} has {got}{'+' if got > comp.size else ''} bytes, "
+                f"the commit record says {comp.size}"
+            )
+        if h.hexdigest() != comp.blake3:
+            raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
+        if held is not None:
+            yield held
+
+    def read_verified_into(self, key: str, comp: ComponentEntry, label: str, out: memoryview,
+                           chunk: int = CHUNK) -> None:
+        """Fill ``out`` (exactly ``comp.size`` bytes) with the component,
+        verified: each chunk is read straight into ``out`` (up to the
+        backend's ``read_concurrency`` chunks at once) and hashed, in order, in
+        a helper thread while later chunks are read; then the size (one byte
+        past the end must not exist) and the digest are checked. On
+        :class:`CorruptionError` the content of ``out`` is undefined."""
+        if len(out) != comp.size:
+            raise ValueError(f"buffer of {len(out)} bytes for a component of {comp.size}")
+        spans = ((off, min(comp.size, off + chunk)) for off in range(0, comp.size, chunk))  # stops at a short one
+        conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, -(-comp.size // chunk)))
+        hasher = BackgroundHasher()
+
+        def read(span: tuple[int, int]) -> int:
+            return self.retry.call(partial(self.backend.readinto, key, span[0], out[span[0] : span[1]]))
+
+        def take(span: tuple[int, int], got: int) -> bool:
+            """Account one chunk and hash it (chunks arrive in order); False if it came back short."""
+            self.bytes_read += got
+            if got != span[1] - span[0]:
+                return False
+            hasher.feed(out[span[0] : span[1]])
+            return True
+
+        seen = 0
+        complete = True
+        pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto") if conc > 1 else None
+        try:
+            pending: deque[tuple[tuple[int, int], Future[int]]] = deque()
+            for span in spans:
+                if pool is None:
+                    got = read(span)
+                else:
+                    pending.append((span, pool.submit(read, span)))
+                    if len(pending) < conc:
+                        continue
+                    span, fut = pending.popleft()
+                    got = fut.result()
+                if not take(span, got):
+                    complete, seen = False, span[0] + got
+                    break
+            while complete and pending:
+                span, fut = pending.popleft()
+                got = fut.result()
+                if not take(span, got):
+                    complete, seen = False, span[0] + got
+            grew = complete and self.retry.call(
+                partial(self.backend.readinto, key, comp.size, memoryview(bytearray(1)))
+            ) > 0
+        except NotFoundError:
+            raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            digest = hasher.finish()
+        if not complete or grew:
+            n = f"{comp.size}+" if grew else str(seen)
+            raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
+        if digest != comp.blake3:
+            raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")

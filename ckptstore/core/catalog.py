@@ -1,0 +1,446 @@
+"""The catalog: one walk over a run's candidate commits, shared by selection
+(``latest_complete``), listing (``list_saves``) and gc's view of the run
+(PROTOCOL.md §4.4, §4.5).
+
+Selection walks the commits newest first as :class:`~ckptstore.core.commit_names.CommitKeys`
+pages them and lists only each candidate's own save prefix, so its cost
+follows the candidates tried, not the history. ``list_saves`` and gc judge
+every commit from one full listing of ``commits/`` and ``saves/`` and one
+bounded read of each record, which is cached per store (records are created
+once and never changed): a later call in the same process reads only records
+it has not seen (see :class:`RecordCache`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from ..backends.base import ObjectInfo
+from ..errors import CorruptionError, LimitReachedError, NotFoundError
+from ..protocol import (
+    CommitRecord,
+    UnsupportedVersion,
+    component_key,
+    is_component_name,
+    parse_save_id,
+    save_prefix,
+    saves_prefix,
+)
+from ..protocol.records import MAX_COMMIT_RECORD
+from ..protocol.selection import (
+    MAX_CANDIDATES,
+    SaveInfo,
+    SaveRef,
+    SaveState,
+    Selection,
+    Skip,
+    SkipReason,
+    bound_skips,
+    candidate_order,
+    describe_superseder,
+    superseded_by,
+    uncommitted_state,
+)
+from .bounded_io import RunIO
+from .commit_names import CommitKeys
+from .fencing import AttemptLog, AttemptView
+from .record_auth import RecordAuth
+from .selection_limits import NameSkips, gave_up
+
+Problems = list[tuple[SkipReason, str]]
+#: Commit records a store keeps decoded (:class:`RecordCache`), counted by
+#: their stored size (decoded, they take several times that): 16 MiB holds
+#: some 40,000 records of a one-component save.
+RECORD_CACHE_BYTES = 16 << 20
+#: A full walk reads the records it has not cached in batches of at most this
+#: many records and listed bytes (concurrent requests on an object store).
+BATCH_RECORDS = 256
+BATCH_BYTES = 32 << 20
+
+
+@dataclass
+class Scan:
+    """What a walk judges against: the run's attempts, and either its commits
+    and the objects under its saves as two full listings (``list_saves``, gc)
+    or nothing listed up front (selection: ``saves_listed=False``, each
+    candidate lists its own save prefix)."""
+
+    commits: dict[tuple[int, int], ObjectInfo]
+    save_objects: dict[str, dict[str, ObjectInfo]]
+    attempts: AttemptView
+    #: False: ``save_objects`` was not listed; each candidate lists its own save prefix
+    saves_listed: bool = True
+    #: manifest digests deep-verified earlier in the same operation (not re-hashed)
+    memo: set[str] | None = None
+    #: record bytes read ahead in one batch (``Catalog.walk``), by key; None: missing
+    fetched: dict[str, bytes | None] = field(default_factory=dict)
+    #: keys under ``saves/`` that are not ``<save ID>/<component name>`` (a ``..``
+    #: segment, another spelling of a save ID ...): not ckptstore's, never
+    #: judged, never deleted; reported by gc
+    foreign: list[str] = field(default_factory=list)
+
+    @classmethod
+    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
+        commits = CommitKeys(io).listed()
+        save_objects: dict[str, dict[str, ObjectInfo]] = {}
+        if not with_saves:
+            return cls(commits, save_objects, attempts, saves_listed=False)
+        sp = saves_prefix(io.run_id)
+        foreign: list[str] = []
+        for o in io.list(sp):
+            sid, _, name = o.key[len(sp) :].partition("/")
+            if parse_save_id(sid) is None or not is_component_name(name):
+                foreign.append(o.key)
+                continue
+            save_objects.setdefault(sid, {})[name] = o
+        return cls(commits, save_objects, attempts, foreign=foreign)
+
+
+class RecordCache:
+    """Decoded commit records by key, each with the (size, time) its listing
+    showed when it was read: a record is used again only while the listing
+    shows the same entry (a record deleted by gc and created again under the
+    same name is read again). Bounded by :data:`RECORD_CACHE_BYTES`."""
+
+    def __init__(self, limit: int = RECORD_CACHE_BYTES) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._items: dict[str, tuple[tuple[int, float], CommitRecord]] = {}
+        self._bytes = 0
+
+    def get(self, key: str, seen: tuple[int, float]) -> CommitRecord | None:
+        with self._lock:
+            hit = self._items.get(key)
+        return hit[1] if hit is not None and hit[0] == seen else None
+
+    def put(self, key: str, seen: tuple[int, float], rec: CommitRecord) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[0][0]
+            self._items[key] = (seen, rec)
+            self._bytes += seen[0]
+            while self._bytes > self.limit and self._items:
+                victim = next(iter(self._items))
+                self._bytes -= self._items.pop(victim)[0][0]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One commit as the walk judged it."""
+
+    step: int
+    attempt: int
+    ref: SaveRef | None
+    problems: Problems
+    save_id: str | None
+
+
+class Catalog:
+    """Reads and judges one run's commits."""
+
+    def __init__(self, io: RunIO, attempts: AttemptLog, identity_digest: str) -> None:
+        self.io = io
+        self.attempts = attempts
+        self.auth: RecordAuth = attempts.auth
+        self.identity_digest = identity_digest
+        self.records = RecordCache()
+
+    def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True) -> Scan:
+        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves)
+
+    def _objects_of(self, scan: Scan, save_id: str) -> dict[str, ObjectInfo]:
+        if scan.saves_listed:
+            return scan.save_objects.get(save_id, {})
+        prefix = save_prefix(self.io.run_id, save_id)
+        return {o.key[len(prefix) :]: o for o in self.io.list(prefix)}
+
+    # -------------------------------------------------------------- records
+    def commit_key(self, step: int, attempt: int) -> str:
+        return self.io.layout.commit_key(self.io.run_id, step, attempt)
+
+    def load_commit(
+        self, step: int, attempt: int, listed: ObjectInfo | None = None, key: str | None = None,
+        fetched: dict[str, bytes | None] | None = None,
+    ) -> CommitRecord:
+        """The decoded record (one bounded read, or the bytes ``fetched`` ahead),
+        or the cached one when ``listed`` (its listing entry) matches the entry
+        it was read under."""
+        key = key or self.commit_key(step, attempt)
+        seen = (listed.size, listed.mtime) if listed is not None else None
+        if seen is not None and (hit := self.records.get(key, seen)) is not None:
+            return hit
+        if fetched is not None and key in fetched:
+            data = fetched.pop(key)
+            if data is None:
+                raise NotFoundError(f"{self.io.where(key)}: no such object")
+            if listed is not None and len(data) > listed.size:
+                raise CorruptionError(
+                    f"{self.io.where(key)}: the commit record grew since it was listed ({listed.size} bytes listed, "
+                    "found more); commit records are written once, so this one was rewritten"
+                )
+        else:
+            data = self.io.get_bounded(key, MAX_COMMIT_RECORD)
+        rec = CommitRecord.decode(data, self.io.where(key), run_id=self.io.run_id, step=step, attempt=attempt)
+        if seen is not None and seen[0] == len(data):
+            self.records.put(key, seen, rec)
+        return rec
+
+    def check_components(self, rec: CommitRecord, listed: Mapping[str, ObjectInfo] | None, deep: bool) -> Problems:
+        """Every component present with its recorded size (from ``listed``, or
+        one size request each); with ``deep``, re-hashed (never reading more
+        than its recorded size + 1 bytes)."""
+        problems: Problems = []
+        for name, comp in sorted(rec.components.items()):
+            key = component_key(self.io.run_id, rec.save_id, name)
+            size: int | None
+            if listed is not None:
+                info = listed.get(name)
+                size = info.size if info is not None else None
+            else:
+                try:
+                    size = self.io.size(key)
+                except NotFoundError:
+                    size = None
+            if size is None:
+                problems.append((SkipReason.MISSING_COMPONENT, f"component {name!r} is missing"))
+                continue
+            if size != comp.size:
+                problems.append(
+                    (SkipReason.SIZE_MISMATCH, f"component {name!r} has {size} bytes, record says {comp.size}")
+                )
+                continue
+            if deep:
+                try:
+                    seen, digest = self.io.hash_object(key, comp.size)
+                except NotFoundError:
+                    problems.append((SkipReason.MISSING_COMPONENT, f"component {name!r} vanished while hashing"))
+                    continue
+                if seen != comp.size:
+                    problems.append(
+                        (SkipReason.SIZE_MISMATCH, f"component {name!r} changed size while hashing ({seen} bytes)")
+                    )
+                elif digest != comp.blake3:
+                    problems.append((SkipReason.HASH_MISMATCH, f"component {name!r} BLAKE3 does not match the record"))
+        return problems
+
+    def evaluate(self, step: int, attempt: int, scan: Scan, deep: bool) -> Candidate:
+        """Judge one commit: a ref if it verifies, else its problems."""
+        if attempt not in scan.attempts.records and attempt not in scan.attempts.unreadable:
+            detail = f"made by attempt {attempt}, which was never registered (record not read)"
+            return Candidate(step, attempt, None, [(SkipReason.UNREGISTERED_ATTEMPT, detail)], None)
+        later = superseded_by(step, attempt, scan.attempts.effective)
+        listed = scan.commits.get((step, attempt))
+        key = listed.key if listed is not None else self.commit_key(step, attempt)
+        try:
+            rec = self.load_commit(step, attempt, listed, key, scan.fetched)
+        except UnsupportedVersion as exc:
+            return Candidate(step, attempt, None, [(SkipReason.UNSUPPORTED_VERSION, str(exc))], None)
+        except NotFoundError:
+            return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, "commit record vanished")], None)
+        except CorruptionError as exc:
+            return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, str(exc))], None)
+        sid = rec.save_id
+        why = self.auth.judge(rec, self.io.run_id, self.io, key)
+        if why is not None:
+            return Candidate(step, attempt, None, [(SkipReason.UNAUTHENTICATED, why)], sid)
+        if later is not None:
+            return Candidate(step, attempt, None, [(SkipReason.SUPERSEDED, describe_superseder(later))], sid)
+        if rec.identity_digest != self.identity_digest:
+            detail = "commit was made under another identity"
+            return Candidate(step, attempt, None, [(SkipReason.IDENTITY_MISMATCH, detail)], sid)
+        digest = rec.manifest_digest() if deep and scan.memo is not None else ""
+        hashed_before = bool(digest) and digest in (scan.memo or ())
+        problems = self.check_components(rec, self._objects_of(scan, sid), deep and not hashed_before)
+        if digest and not problems and scan.memo is not None:
+            scan.memo.add(digest)
+        return Candidate(step, attempt, None if problems else SaveRef.of(rec), problems, sid)
+
+    def walk(
+        self, scan: Scan, deep: bool, deep_until: int | None = None, order: Iterable[tuple[int, int]] | None = None
+    ) -> Iterator[Candidate]:
+        """Every commit, newest first (``order``, else the scan's commits
+        sorted), judged; a step already committed by a later attempt that
+        verified makes older commits of it superseded. With ``deep_until=k``,
+        the deep check stops once ``k`` commits verified (older ones get the
+        size check)."""
+        seen_steps: set[int] = set()
+        verified = 0
+        for step, attempt in order if order is not None else self._fetching(scan):
+            c = self.evaluate(step, attempt, scan, deep and (deep_until is None or verified < deep_until))
+            if c.ref is not None and step not in seen_steps:
+                verified += 1
+            if c.ref is not None and step in seen_steps:
+                detail = f"step {step} was committed again by a later attempt"
+                c = Candidate(step, attempt, None, [(SkipReason.SUPERSEDED, detail)], c.save_id)
+            if c.ref is not None:
+                seen_steps.add(step)
+            yield c
+
+    def _fetching(self, scan: Scan) -> Iterator[tuple[int, int]]:
+        """The scan's commits newest first; before each batch of them, the
+        records the cache does not hold are read in one ``get_many``."""
+        order = candidate_order(scan.commits)
+        i = 0
+        while i < len(order):
+            batch: list[tuple[int, int]] = []
+            size = 0
+            while i < len(order) and len(batch) < BATCH_RECORDS and (not batch or size < BATCH_BYTES):
+                batch.append(order[i])
+                size += scan.commits[order[i]].size
+                i += 1
+            want, sizes = [], []
+            for sa in batch:
+                info = scan.commits[sa]
+                if sa[1] in scan.attempts.records and self.records.get(info.key, (info.size, info.mtime)) is None:
+                    want.append(info.key)
+                    sizes.append(info.size)
+            scan.fetched = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD, sizes), strict=True))
+            yield from batch
+        scan.fetched = {}
+
+    # ------------------------------------------------------------ selection
+    def select(
+        self, deep: bool, attempts: AttemptView | None = None, *, explain: bool = True, memo: set[str] | None = None
+    ) -> Selection:
+        """The newest commit that verifies: candidates as :class:`CommitKeys`
+        pages them newest first, each checked against a listing of its own
+        save prefix, so the cost follows the candidates tried, not the history.
+        ``explain`` also reports uncommitted saves newer than the choice (one
+        listing of the save keys after it). ``memo``: manifest digests
+        deep-verified earlier in the same operation, not re-hashed (extended
+        with what this call verifies)."""
+        view = attempts if attempts is not None else self.attempts.load()
+        scan = Scan({}, {}, view, saves_listed=False, memo=memo)
+        keys = CommitKeys(self.io)
+        skipped: list[Skip] = []
+        committed_ids: set[str] = set()
+        tried: set[tuple[int, int]] = set()  # (step, attempt) of every candidate tried
+        chosen: SaveRef | None = None
+        notes = list(view.notes())
+        by_name = NameSkips(view, keep_names=explain)
+        read = 0
+        for c in self.walk(scan, deep, order=by_name.filter(keys.newest_first())):
+            read += 1  # only candidates whose record was read count against the bound
+            if c.save_id:
+                committed_ids.add(c.save_id)
+            tried.add((c.step, c.attempt))
+            if c.ref is not None:
+                chosen = c.ref
+                break
+            skipped.append(Skip(c.step, c.attempt, c.save_id, c.problems[0][0], "; ".join(d for _, d in c.problems)))
+            if read >= MAX_CANDIDATES:
+                raise gave_up(self.io.run_id, MAX_CANDIDATES, skipped, by_name.count)
+        if keys.junk:
+            notes.append(f"{keys.junk} name(s) under commits/ are not commit records of this run's layout; ignored")
+        if explain:
+            try:
+                skipped += self._uncommitted_after(chosen, committed_ids, tried | by_name.names)
+            except LimitReachedError as exc:  # the report of uncommitted saves only; the choice stands
+                notes.append(f"uncommitted saves not reported: {exc}")
+        shown, more = bound_skips(skipped + by_name.skips)
+        return Selection(chosen, shown, more + by_name.count - len(by_name.skips), tuple(notes), read - (chosen is not None))
+
+    def _uncommitted_after(
+        self, chosen: SaveRef | None, committed_ids: set[str], known: set[tuple[int, int]]
+    ) -> list[Skip]:
+        """Uncommitted saves newer than ``chosen`` (their IDs carry step and
+        attempt, and sort by them): the save keys listed from just after it.
+        ``known``: (step, attempt) of every commit key that was tried (that
+        candidate's own skip says why it was not selected) or skipped by name
+        (its save ID is not known): their saves are not reported as uncommitted."""
+        sp = saves_prefix(self.io.run_id)
+        after = f"{sp}{chosen.step:012d}-{chosen.attempt:08d}-~" if chosen is not None else ""
+        counts: dict[str, int] = {}
+        for key in self.io.list_keys(sp, start_after=after):
+            sid, _, name = key[len(sp) :].partition("/")
+            if is_component_name(name):  # anything else under saves/ is not ckptstore's (see Scan.foreign)
+                counts[sid] = counts.get(sid, 0) + 1
+        out = []
+        for sid, n in counts.items():
+            sa = parse_save_id(sid)
+            if sid in committed_ids or sa is None or sa in known or (
+                chosen is not None and sa <= (chosen.step, chosen.attempt)
+            ):
+                continue
+            out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{n} component(s) written, no commit record"))
+        return out
+
+    def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
+        """The commit of ``step`` (the highest attempt, unless given); not verified."""
+        if attempt is None:
+            found = CommitKeys(self.io).attempts_of(step)
+            if not found:
+                raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}")
+            attempt = found[0]
+        try:
+            return SaveRef.of(self.load_commit(step, attempt))
+        except NotFoundError:
+            raise NotFoundError(f"run {self.io.run_id!r} has no commit for step {step}, attempt {attempt}") from None
+
+    # -------------------------------------------------------------- listing
+    def list_saves(
+        self, scan: Scan, deep: bool, grace_seconds: float, deep_until: int | None = None
+    ) -> list[SaveInfo]:
+        """Every save of the run, committed or not, newest first, with its state
+        (``deep_until``: see :meth:`walk`)."""
+        latest: SaveRef | None = None
+        out: list[SaveInfo] = []
+        committed_ids: set[str] = set()
+        verified = 0
+        for c in self.walk(scan, deep, deep_until):
+            if c.ref is not None:
+                verified += 1
+            if c.ref is not None and latest is None:
+                latest = c.ref
+            if c.save_id:
+                committed_ids.add(c.save_id)
+            objs = scan.save_objects.get(c.save_id or "", {})
+            if c.ref is not None:
+                hashed = deep and (deep_until is None or verified <= deep_until)
+                state, detail = SaveState.COMMITTED, "verified" if hashed else "sizes verified"
+            elif c.problems[0][0] is SkipReason.SUPERSEDED:
+                state, detail = SaveState.SUPERSEDED, c.problems[0][1]
+            elif c.problems[0][0] is SkipReason.UNSUPPORTED_VERSION:
+                state, detail = SaveState.UNSUPPORTED, c.problems[0][1]
+            else:
+                state, detail = SaveState.CORRUPT, "; ".join(d for _, d in c.problems)
+            selected = latest is not None and c.ref is not None and c.ref.save_id == latest.save_id
+            out.append(
+                SaveInfo(
+                    c.save_id or "?", c.step, c.attempt, state, detail, sum(o.size for o in objs.values()),
+                    len(objs), scan.commits[(c.step, c.attempt)].mtime, selected=selected, ref=c.ref,
+                )
+            )
+        now = time.time()
+        for sid, objs in scan.save_objects.items():
+            sa = parse_save_id(sid)
+            if sid in committed_ids or sa is None:
+                continue  # a directory whose name does not parse is not ckptstore's: never listed, never deleted
+            if sa in scan.commits:
+                # Its (step, attempt) has a commit key whose record does not name
+                # it (unreadable, torn, forged): it may be that commit's save.
+                # Kept as corrupt for an operator, never taken for uncommitted.
+                detail = (
+                    f"{len(objs)} component(s) written; the commit record of step {sa[0]}, attempt {sa[1]} exists "
+                    "but does not name this save (unreadable or another save's): kept; inspect it and remove by hand"
+                )
+                out.append(
+                    SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, sum(o.size for o in objs.values()),
+                             len(objs), None)
+                )
+                continue
+            newest = max(o.mtime for o in objs.values())
+            state = uncommitted_state(now - newest, grace_seconds)
+            detail = f"{len(objs)} component(s) written, no commit record; last write {now - newest:.0f}s ago"
+            later = superseded_by(sa[0], sa[1], scan.attempts.effective)
+            if later is not None:
+                # its writer was replaced before this step: it can never be committed
+                state = SaveState.PARTIAL
+                detail = f"abandoned ({describe_superseder(later)}); {detail}"
+            out.append(SaveInfo(sid, sa[0], sa[1], state, detail, sum(o.size for o in objs.values()), len(objs), None))
+        out.sort(key=lambda i: (i.step, i.attempt), reverse=True)
+        return out

@@ -1,0 +1,158 @@
+"""Turning user data into chunk streams, and hashing them while they are written.
+
+The hash runs in a helper thread on chunk *i* while the backend writes chunk
+*i* (BLAKE3 and file writes both release the GIL), so the save reads the data
+once and overlaps hashing with I/O instead of adding it.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import blake3
+
+from ..errors import InvalidInputError
+
+CHUNK = 8 * 1024 * 1024
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptstore-hash")
+        return _pool
+
+
+def as_buffer(obj: Any) -> memoryview | None:
+    """A flat byte view of a bytes-like object, or None if it is not one."""
+    if isinstance(obj, str):
+        return None
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        return None
+    if not mv.contiguous:
+        raise InvalidInputError("component data must be contiguous in memory")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def is_replayable(data: Any) -> bool:
+    """True when the data can be streamed again on a retry."""
+    if as_buffer(data) is not None:
+        return True
+    return hasattr(data, "seek") and hasattr(data, "read") and getattr(data, "seekable", lambda: False)()
+
+
+def describe_type(data: Any) -> str:
+    return type(data).__module__ + "." + type(data).__qualname__
+
+
+def check_data(data: Any) -> None:
+    """Reject unusable data before anything is written."""
+    if isinstance(data, str):
+        raise InvalidInputError("component data is a str; encode it to bytes first (e.g. text.encode())")
+    if as_buffer(data) is not None:
+        return
+    if hasattr(data, "read"):
+        return
+    if isinstance(data, (dict, set, int, float)) or data is None or not isinstance(data, Iterable):
+        raise InvalidInputError(
+            f"component data must be bytes-like, a binary file object or an iterable of buffers; "
+            f"got {describe_type(data)}"
+        )
+
+
+def iter_chunks(data: Any, chunk: int = CHUNK) -> Iterator[memoryview]:
+    """Yield the data as byte views of at most ``chunk`` bytes."""
+    mv = as_buffer(data)
+    if mv is not None:
+        for i in range(0, len(mv), chunk):
+            yield mv[i : i + chunk]
+        return
+    if hasattr(data, "read"):
+        while True:
+            block = data.read(chunk)
+            if block is None:
+                continue
+            if isinstance(block, str):
+                raise InvalidInputError("component file object is in text mode; open it with 'rb'")
+            if not block:
+                return
+            yield memoryview(block)
+    for i, item in enumerate(data):
+        b = as_buffer(item)
+        if b is None:
+            raise InvalidInputError(f"component data item {i} is {describe_type(item)}, not a bytes-like buffer")
+        for j in range(0, len(b), chunk):
+            yield b[j : j + chunk]
+
+
+def rewind(data: Any) -> None:
+    if hasattr(data, "seek") and as_buffer(data) is None:
+        data.seek(0, io.SEEK_SET)
+
+
+class BackgroundHasher:
+    """BLAKE3 of a sequence of buffers, each hashed in a helper thread while
+    the caller produces the next (reads it, or hands the previous one to a
+    writer). A buffer passed to :meth:`feed` must stay unchanged until the next
+    ``feed`` or :meth:`finish` returns."""
+
+    def __init__(self, *, threaded: bool = True) -> None:
+        self._h = blake3.blake3()
+        self._pool = _hash_pool() if threaded else None
+        self._pending: Future[Any] | None = None
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def feed(self, view: memoryview) -> None:
+        self._wait()
+        if self._pool is not None and len(view) >= 1 << 20:
+            self._pending = self._pool.submit(self._h.update, view)
+        else:
+            self._h.update(view)
+
+    def finish(self) -> str:
+        """Wait for the last buffer; the hex digest of everything fed."""
+        self._wait()
+        return self._h.hexdigest()
+
+
+class HashingStream:
+    """Iterates the chunks of ``data``, hashing each in a helper thread while the
+    consumer (the backend) writes it. After exhaustion ``size`` and
+    ``hexdigest()`` describe exactly the bytes that were yielded."""
+
+    def __init__(self, data: Any, chunk: int = CHUNK, *, threaded: bool = True) -> None:
+        self._data = data
+        self._chunk = chunk
+        self._hasher = BackgroundHasher(threaded=threaded)
+        self._digest: str | None = None
+        self.size = 0
+
+    def __iter__(self) -> Iterator[memoryview]:
+        try:
+            for c in iter_chunks(self._data, self._chunk):
+                self._hasher.feed(c)
+                self.size += len(c)
+                yield c
+        finally:
+            # a consumer that stops early (or fails) must not leave a hash running on its buffer
+            digest = self._hasher.finish()
+        self._digest = digest
+
+    def hexdigest(self) -> str:
+        if self._digest is None:
+            raise RuntimeError("stream not fully consumed")
+        return self._digest

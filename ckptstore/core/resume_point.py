@@ -1,0 +1,41 @@
+"""The resume point of a writer opening with ``resume_from="latest"``
+(PROTOCOL.md §4.2 step 2, THREATS.md §4.2): the selected save, None only
+when the run's history holds no commit at all, and otherwise a refusal —
+recorded in the ledger — rather than a fresh start that would supersede the
+run's saves."""
+
+from __future__ import annotations
+
+from ..errors import CkptStoreError, LimitReachedError, ResumeRefusedError
+from ..protocol.selection import SaveRef
+from .catalog import Catalog
+from .fencing import AttemptView
+from .ledger import Ledger
+from .selection_limits import describe
+
+
+def resume_point(
+    catalog: Catalog, view: AttemptView, deep: bool, memo: set[str] | None, ledger: Ledger, writer_id: str
+) -> SaveRef | None:
+    """The save to resume from (``view``: the attempts to judge by). Raises
+    :class:`LimitReachedError` when selection gave up and
+    :class:`ResumeRefusedError` when the history has commits none of which
+    can be selected; both are recorded as a ``resume-refused`` event (best
+    effort) before anything is registered."""
+    try:
+        sel = catalog.select(deep, view, explain=False, memo=memo)
+        if sel.latest is None and sel.unusable:
+            raise ResumeRefusedError(
+                f"run {catalog.io.run_id!r} has {sel.unusable} commit record(s) in its history and none can be "
+                f"selected ({describe(sel.skipped, 3, 160)}); resuming from 'latest' would start over from step 0 "
+                "and supersede them. Nothing was registered. Inspect them with `ckptstore ls` (and `ckptstore "
+                "verify`): repair or remove the records that are not yours, or open the writer with an explicit "
+                "resume point (resume_from=<step>, or resume_from=None to start over deliberately)."
+            )
+    except (ResumeRefusedError, LimitReachedError) as exc:
+        try:
+            ledger.append("resume-refused", {"writer_id": writer_id, "error": str(exc)[:2000]}, None)
+        except CkptStoreError:
+            pass  # the refusal itself is what the caller gets
+        raise
+    return sel.latest

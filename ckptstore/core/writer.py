@@ -1,0 +1,315 @@
+"""Writing a save: *stage* (components hashed while written) and *publish*
+(the commit, from inventories that may come from other processes).
+PROTOCOL.md §4.3.
+
+The two halves are separate so that a coordinator can publish what many
+ranks staged: every rank stages its components under one save ID chosen by
+the coordinator; the coordinator gathers the inventories and calls
+:func:`publish` once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from ..errors import (
+    CommitConflictError,
+    CommitUnknownError,
+    CorruptionError,
+    InvalidInputError,
+    NotFoundError,
+    SaveAbortedError,
+    StoreUnavailableError,
+    SupersededError,
+)
+from ..protocol import (
+    AttemptRecord,
+    CommitRecord,
+    ComponentEntry,
+    component_key,
+    now,
+    parse_save_id,
+    save_prefix,
+    validate_component_name,
+)
+from ..protocol.selection import SaveRef
+from ..util.redact import redact_text
+from .bounded_io import RunIO
+from .fencing import AttemptLog
+from .hashing import check_data
+from .record_auth import RecordAuth
+
+
+@dataclass(frozen=True)
+class WriterContext:
+    """What a writer of one attempt needs: its I/O, its attempt and fences."""
+
+    io: RunIO
+    attempts: AttemptLog
+    attempt: AttemptRecord
+    writer_id: str
+    identity_digest: str
+    auth: RecordAuth
+
+
+def check_save_id(ctx: WriterContext, step: int, save_id: str) -> str:
+    """A caller-chosen save ID must name this step and this attempt."""
+    if not isinstance(save_id, str) or parse_save_id(save_id) != (step, ctx.attempt.number):
+        raise InvalidInputError(
+            f"save ID {str(save_id)[:80]!r} does not name step {step} of attempt {ctx.attempt.number}; "
+            "make one with store.new_save_id(step)"
+        )
+    return save_id
+
+
+class StagedSave:
+    """Components of one save being written; publishes nothing by itself.
+
+    Use as a context manager: an exception inside the block aborts (removes
+    what this object wrote). ``components`` is the inventory to publish.
+    """
+
+    def __init__(self, ctx: WriterContext, step: int, save_id: str) -> None:
+        self.ctx = ctx
+        self.step = step
+        self.save_id = save_id
+        self._components: dict[str, ComponentEntry] = {}
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def __enter__(self) -> StagedSave:
+        return self
+
+    def put(self, name: str, data: Any) -> ComponentEntry:
+        """Write one component, hashing it with BLAKE3 while it is written.
+
+        ``data``: bytes-like (bytes, bytearray, memoryview, numpy array, ...), a
+        binary file object, or an iterable of bytes-like buffers.
+        """
+        if self.closed:
+            raise InvalidInputError("this save is already closed")
+        validate_component_name(name)
+        check_data(data)
+        with self._lock:
+            if name in self._components:
+                raise InvalidInputError(f"component {name!r} was already written in this save")
+            for other in self._components:
+                if other.startswith(name + "/") or name.startswith(other + "/"):
+                    raise InvalidInputError(f"component {name!r} clashes with {other!r} (a name cannot be a folder)")
+            self._components[name] = ComponentEntry(name, -1, "")  # reserve
+        try:
+            size, digest = self.ctx.io.put_hashed(component_key(self.ctx.io.run_id, self.save_id, name), data)
+        except BaseException:
+            with self._lock:
+                self._components.pop(name, None)
+            raise
+        entry = ComponentEntry(name, size, digest)
+        with self._lock:
+            self._components[name] = entry
+        return entry
+
+    @property
+    def components(self) -> dict[str, ComponentEntry]:
+        """The inventory so far (a component still being written has size -1)."""
+        with self._lock:
+            return dict(self._components)
+
+    def abort(self) -> None:
+        """Close and remove what this object wrote (best effort; gc removes
+        what a killed process left)."""
+        self.closed = True
+        remove_components(self.ctx.io, self.save_id, self.components)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None and not self.closed:
+            self.abort()
+
+
+def remove_components(io: RunIO, save_id: str, names: Mapping[str, object] | Sequence[str]) -> None:
+    for name in list(names):
+        try:
+            io.backend.delete(component_key(io.run_id, save_id, name))
+        except Exception:  # noqa: BLE001 - best effort; gc removes leftovers
+            pass
+
+
+def _verify_inventory(ctx: WriterContext, step: int, save_id: str, comps: Mapping[str, ComponentEntry]) -> None:
+    """Every component is there with the size its writer recorded (read-after-write)."""
+    io = ctx.io
+    prefix = save_prefix(io.run_id, save_id)
+    if io.backend.capabilities.consistent_list:
+        listed = {o.key[len(prefix) :]: o.size for o in io.list(prefix)}
+    else:  # a listing may lag behind writes: ask for each object instead
+        listed = {}
+        for n in comps:
+            try:
+                listed[n] = io.size(prefix + n)
+            except FileNotFoundError:
+                continue
+    for n, c in comps.items():
+        size = listed.get(n)
+        if size is None or size != c.size:
+            raise SaveAbortedError(
+                f"save of step {step}: component {n!r} did not land intact "
+                f"({'missing' if size is None else f'{size} bytes, wrote {c.size}'}); nothing was published"
+            )
+
+
+def _settle_failed_commit(
+    ctx: WriterContext, key: str, data: bytes, save_id: str, comps: Mapping[str, ComponentEntry], exc: Exception
+) -> None:
+    try:
+        there = ctx.io.get_bounded(key, len(data))
+    except NotFoundError:
+        remove_components(ctx.io, save_id, comps)  # nothing published; the caller re-raises the failure
+        return
+    except StoreUnavailableError as again:
+        raise CommitUnknownError(
+            f"{ctx.io.where(key)}: the commit record's create failed ({redact_text(str(exc))}) and it cannot be "
+            f"read back ({redact_text(str(again))}); treat the save as not acknowledged"
+        ) from exc
+    if there == data:
+        raise CommitUnknownError(
+            f"{ctx.io.where(key)}: the commit record landed but its create reported a failure "
+            f"({redact_text(str(exc))}); treat the save as not acknowledged — latest_complete() tells whether "
+            "it is selectable"
+        ) from exc
+
+
+def publish(
+    ctx: WriterContext,
+    step: int,
+    save_id: str,
+    components: Mapping[str, ComponentEntry],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    ranks: Mapping[int, Sequence[str]] | None = None,
+    world_size: int | None = None,
+    expect: Sequence[str] = (),
+) -> SaveRef:
+    """Publish a staged save (§4.3 steps 4-7): inventory, pre-commit fence,
+    create-if-absent of the commit record, post-commit fence.
+
+    Every failure raises a :class:`SaveNotPublishedError` subclass. Before the
+    commit, the staged components are removed; after an unknown outcome
+    (:class:`CommitUnknownError`) nothing is removed.
+    """
+    check_save_id(ctx, step, save_id)
+    comps = dict(components)
+    pending = [n for n, c in comps.items() if c.size < 0]
+    if pending:
+        raise SaveAbortedError(f"components still being written at commit: {pending}")
+    missing = [n for n in expect if n not in comps]
+    if missing:
+        remove_components(ctx.io, save_id, comps)
+        raise SaveAbortedError(
+            f"save of step {step} is incomplete: expected component(s) {missing} were never written; "
+            "nothing was published"
+        )
+    if not comps:
+        raise SaveAbortedError(f"save of step {step} has no components; nothing was published")
+    rank_map: dict[int, tuple[str, ...]] | None = None
+    if ranks is not None:
+        rank_map = {int(r): tuple(names) for r, names in ranks.items()}
+        named = [n for names in rank_map.values() for n in names]
+        if sorted(named) != sorted(comps):
+            raise InvalidInputError("ranks must name every component exactly once")
+    try:
+        _verify_inventory(ctx, step, save_id, comps)
+        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)
+    except BaseException:
+        remove_components(ctx.io, save_id, comps)  # nothing was published: remove what was written
+        raise
+    record = ctx.auth.seal(CommitRecord(
+        run_id=ctx.io.run_id,
+        step=step,
+        attempt=ctx.attempt.number,
+        save_id=save_id,
+        writer_id=ctx.writer_id,
+        identity_digest=ctx.identity_digest,
+        components=comps,
+        created_at=now(),
+        metadata=dict(metadata or {}),
+        ranks=rank_map,
+        world_size=world_size,
+        version=ctx.io.layout.version,
+    ), ctx.io.run_id)
+    key = ctx.io.layout.commit_key(ctx.io.run_id, step, ctx.attempt.number)
+    data = record.encode()
+    try:
+        created = ctx.io.create(key, data, what="commit record")
+    except CommitUnknownError:
+        raise  # may have landed: keep the components
+    except StoreUnavailableError as exc:
+        # A definite failure (e.g. no space left for the record). If the record is
+        # not there, nothing was published: remove the save's bytes now instead of
+        # leaving them on a full disk until gc, and re-raise the failure. If it is
+        # there (the failure came after it landed), the outcome is unknown
+        # (CommitUnknownError) and nothing is removed.
+        _settle_failed_commit(ctx, key, data, save_id, comps, exc)
+        raise
+    if not created:
+        remove_components(ctx.io, save_id, comps)
+        raise CommitConflictError(
+            f"run {ctx.io.run_id!r}: step {step} was already committed by another writer of "
+            f"attempt {ctx.attempt.number}; this save ({save_id}) was not published"
+        )
+    try:
+        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=True)
+    except SupersededError:
+        raise
+    except (StoreUnavailableError, CorruptionError) as exc:
+        # The record landed, but whether a newer attempt fenced us off cannot be told.
+        raise CommitUnknownError(
+            f"run {ctx.io.run_id!r}: the commit record of step {step} landed, but the post-commit fence "
+            f"check failed ({redact_text(str(exc))}); treat the save as not acknowledged — latest_complete() tells whether "
+            "it is selectable"
+        ) from exc
+    return SaveRef.of(record)
+
+
+class SaveWriter:
+    """One save in progress, published when its ``with`` block exits cleanly.
+    Created by ``CheckpointStore.save``: a :class:`StagedSave` plus a publish."""
+
+    def __init__(self, staged: StagedSave, publish_staged: Callable[[Mapping[str, ComponentEntry]], SaveRef]) -> None:
+        self.staged = staged
+        self.step = staged.step
+        self.save_id = staged.save_id
+        self._publish = publish_staged
+        #: The published save, set when the ``with`` block exits cleanly.
+        self.ref: SaveRef | None = None
+
+    def __enter__(self) -> SaveWriter:
+        return self
+
+    def put(self, name: str, data: Any) -> ComponentEntry:
+        """Write one component, hashing it with BLAKE3 while it is written (see :meth:`StagedSave.put`)."""
+        return self.staged.put(name, data)
+
+    @property
+    def components(self) -> dict[str, ComponentEntry]:
+        return self.staged.components
+
+    def commit(self) -> SaveRef:
+        """Verify the inventory and publish. Called by a clean ``with`` exit."""
+        if self.staged.closed:
+            raise InvalidInputError("this save is already closed")
+        self.staged.closed = True
+        self.ref = self._publish(self.staged.components)
+        return self.ref
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            if not self.staged.closed:
+                self.staged.abort()
+            return
+        self.commit()

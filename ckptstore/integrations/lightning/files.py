@@ -1,0 +1,318 @@
+"""The files of the Lightning plug-in: how a checkpoint dict is split into
+store components and published, and the small pointer and detached files
+Lightning sees at its paths (written atomically). Reading them back, as the
+untrusted input they are, is :mod:`.lightning_trust`'s job."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import tempfile
+from base64 import b64encode
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+
+from ...core.record_auth import RecordAuth
+from ...errors import CommitConflictError, InvalidInputError
+from ...protocol import canonical_json
+from ...protocol.auth import AuthPolicy, Keyring
+from ...shims.lightning_private import PATH
+from ...store import CheckpointStore, SaveRef
+from ...torch.codec import (
+    TypeRegistry,
+    flatten,
+    safetensors_stream,
+    tree_from_json,
+    tree_to_json,
+)
+
+FORMAT = "ckptstore.lightning/1"
+POINTER_FORMAT = "ckptstore.lightning-pointer/1"
+#: a dict without ``global_step`` (Lightning's spawn launcher hands the weights to the main process this
+#: way) is not a training checkpoint: it is written at the path as one self-describing safetensors file
+DETACHED_FORMAT = "ckptstore.lightning-detached/1"
+DOC_COMPONENT = "checkpoint.json"
+DEFAULT_MAX_INLINE_BYTES = 4 << 20
+
+
+# ------------------------------------------------------------------ encoding
+
+
+@dataclass
+class _Part:
+    """One top-level key of a checkpoint dict, flattened."""
+
+    tree: Any
+    tensors: dict[str, torch.Tensor]
+    component: str | None
+    digest: str | None  # BLAKE3 of the safetensors bytes of ``tensors`` (None: no tensors)
+    size: int
+
+
+def _component_name(key: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", key).lstrip(".-") or "_"
+    if safe != key or len(safe) > 200:
+        safe = f"{safe[:200]}-{blake3.blake3(key.encode()).hexdigest()[:12]}"
+    return f"tensors/{safe}.safetensors"
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    return t
+
+
+def encode_checkpoint(checkpoint: Mapping[str, Any], registry: TypeRegistry | None) -> dict[str, _Part]:
+    if not isinstance(checkpoint, Mapping):
+        raise InvalidInputError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
+    parts: dict[str, _Part] = {}
+    for key, value in checkpoint.items():
+        if not isinstance(key, str):
+            raise InvalidInputError(f"checkpoint key {key!r} must be a string")
+        try:
+            fl = flatten(value, registry=registry)
+        except InvalidInputError as exc:
+            msg = str(exc)
+            if msg.startswith("state"):
+                msg = f"checkpoint[{key!r}]" + msg[len("state"):]
+            raise InvalidInputError(msg) from None
+        tensors = {k: _cpu(t) for k, t in fl.tensors.items()}
+        comp = None
+        size = 0
+        if tensors:
+            comp = _component_name(key)
+            size, _chunks = safetensors_stream(tensors)
+        parts[key] = _Part(fl.tree, tensors, comp, None, size)
+    return parts
+
+
+def _digest(p: _Part) -> str | None:
+    """BLAKE3 of the part's safetensors bytes (what the store would record), computed once."""
+    if p.digest is None and p.tensors:
+        h = blake3.blake3()
+        for c in safetensors_stream(p.tensors)[1]:
+            h.update(c)
+        p.digest = h.hexdigest()
+    return p.digest
+
+
+def _canonical(x: Any) -> bytes:
+    return tree_to_json(x)
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    _size, chunks = safetensors_stream(tensors)
+    return b"".join(bytes(c) for c in chunks)
+
+
+# ------------------------------------------------------------------ publishing
+
+
+@dataclass
+class Published:
+    """A save of one step as published, for comparing later checkpoints of the same step with it."""
+
+    ref: SaveRef
+    trees: dict[str, bytes]  # key -> canonical JSON of its tree
+    digests: dict[str, str | None]  # key -> tensor component digest
+
+
+def publish(store: CheckpointStore, step: int, parts: dict[str, _Part], path: str) -> Published:
+    """Commit the checkpoint's parts as the save of ``step`` (or, if another
+    writer of this attempt committed it first, read that one)."""
+    doc = {
+        "format": FORMAT,
+        "keys": list(parts),
+        "trees": {k: p.tree for k, p in parts.items()},
+        "tensor_components": {k: p.component for k, p in parts.items() if p.component},
+    }
+    try:
+        doc_bytes = tree_to_json(doc)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"checkpoint cannot be encoded as JSON: {exc}") from None
+    comps = {p.component: p for p in parts.values() if p.component}
+    metadata: dict[str, Any] = {"format": FORMAT, "first_path": os.path.basename(path)}
+    if isinstance(parts.get("epoch"), _Part) and isinstance(parts["epoch"].tree, int):
+        metadata["epoch"] = parts["epoch"].tree
+    try:
+        with store.save(step, metadata=metadata, expect=[DOC_COMPONENT, *comps]) as s:
+            for name, p in sorted(comps.items()):
+                _size, chunks = safetensors_stream(p.tensors)
+                p.digest = s.put(name, chunks).blake3
+            s.put(DOC_COMPONENT, doc_bytes)
+        assert s.ref is not None
+        return Published(s.ref, {k: _canonical(p.tree) for k, p in parts.items()}, {k: p.digest for k, p in parts.items()})
+    except CommitConflictError:
+        # another writer of this attempt (another plug-in instance) committed this step first
+        assert store.attempt is not None
+        return load_published(store, store.get_save(step, store.attempt.number))
+
+
+def load_published(store: CheckpointStore, ref: SaveRef) -> Published:
+    doc = tree_from_json(store.read(ref, DOC_COMPONENT))
+    comps: dict[str, str] = doc["tensor_components"]
+    return Published(
+        ref,
+        {k: _canonical(t) for k, t in doc["trees"].items()},
+        {k: (ref.components[comps[k]].blake3 if k in comps else None) for k in doc["trees"]},
+    )
+
+
+def inline_state(pub: Published, parts: dict[str, _Part], step: int, max_inline_bytes: int) -> dict[str, Any]:
+    """Keys whose content differs from the published save, to be carried in the pointer."""
+    inline: dict[str, Any] = {}
+    total = 0
+    for key, p in parts.items():
+        tree = _canonical(p.tree)
+        if pub.trees.get(key) == tree and pub.digests.get(key, "absent") == _digest(p):
+            continue  # identical: referenced from the save
+        total += len(tree) + p.size
+        if total > max_inline_bytes:
+            raise InvalidInputError(
+                f"step {step} was already saved in this attempt with different content under "
+                f"{key!r} ({p.size} bytes of tensors); a store holds one save per step and attempt — "
+                "save different weights at a different global_step"
+            )
+        inline[key] = {"tree": p.tree, "tensors": b64encode(tensor_bytes(p.tensors)).decode() if p.tensors else None}
+    return inline
+
+
+# ------------------------------------------------------------------ pointer files
+
+#: the tag of a pointer is a record tag of kind "event" over this domain-separated digest, which no
+#: record's body digest can equal (those hash canonical JSON, which starts with "{")
+POINTER_TAG_DOMAIN = b"ckptstore/v1/lightning-pointer\x00"
+POINTER_TAG_KIND = "event"
+DETACHED_MAGIC = b"CKPTSTORE-LIGHTNING-DETACHED/2\n"
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    return path.removeprefix("file://")
+
+
+def url_scheme(url: str) -> str:
+    """``s3``, ``gs``, ... of a URL; ``file`` for a local path."""
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def filesystem(path: str, options: Mapping[str, Any] | None = None) -> Any:
+    """The fsspec filesystem of a remote path (the plug-in's storage options apply to its own scheme)."""
+    return get_filesystem(path, **dict(options or {}))
+
+
+def write_atomic(path: PATH, data: bytes, options: Mapping[str, Any] | None = None) -> None:
+    p = os.fspath(path)
+    if is_remote(p):
+        fs = filesystem(p, options)
+        with fs.open(p, "wb") as f:  # one PUT: atomic on object stores
+            f.write(data)
+        return
+    p = local_path(p)
+    d = os.path.dirname(os.path.abspath(p))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".ckptstore-pointer-", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def pointer_digest(doc: Mapping[str, Any]) -> str:
+    """What a pointer's tag authenticates: every field but the tag, domain-separated."""
+    body = {k: v for k, v in doc.items() if k != "auth"}
+    return blake3.blake3(POINTER_TAG_DOMAIN + canonical_json(body)).hexdigest()
+
+
+def make_pointer(
+    ref: SaveRef, url: str, keys: list[str], inline: dict[str, Any], auth: RecordAuth | None = None
+) -> bytes:
+    doc: dict[str, Any] = {
+        "format": POINTER_FORMAT,
+        "store": url,
+        "run_id": ref.run_id,
+        "step": ref.step,
+        "attempt": ref.attempt,
+        "save_id": ref.save_id,
+        "manifest_digest": ref.manifest_digest,
+        "keys": keys,
+        "inline": inline,
+        "inline_digest": blake3.blake3(_canonical(inline)).hexdigest(),
+    }
+    if auth is not None and auth.policy is not AuthPolicy.OFF and auth.keyring is not None:
+        tag = auth.keyring.sign(POINTER_TAG_KIND, ref.run_id, pointer_digest(doc))
+        if tag is not None:
+            doc["auth"] = tag.to_json()
+    return canonical_json(doc)  # compact: its size follows the inline bound (see pointer_cap)
+
+
+# ------------------------------------------------------------------ detached hand-off files
+
+
+def detached_bytes(doc_json: bytes, tensors: bytes, key: bytes) -> bytes:
+    """A detached file: magic, a small header authenticated with ``key`` (the
+    plug-in's per-instance secret, shared with its spawned workers), the JSON
+    document and the safetensors bytes."""
+    payload = doc_json + tensors
+    head = {"format": DETACHED_FORMAT, "doc_size": len(doc_json), "size": len(payload),
+            "blake3": blake3.blake3(payload).hexdigest()}
+    head["tag"] = blake3.blake3(canonical_json(head), key=key).hexdigest()
+    header = canonical_json(head)
+    return DETACHED_MAGIC + struct.pack("<I", len(header)) + header + payload
+
+
+# ------------------------------------------------------------------ removal
+
+
+def write_pointer_for_latest(
+    path: PATH, url: str, run_id: str, *, storage_options: Mapping[str, Any] | None = None,
+    auth_policy: AuthPolicy | str = "off", keyring: Keyring | None = None,
+) -> SaveRef | None:
+    """Write a pointer at ``path`` to the run's newest complete Lightning save.
+
+    For resuming when a process died between a commit and its pointer (or the
+    pointer files were lost): ``trainer.fit(model, ckpt_path=path)``. Returns
+    the save, or None (and writes nothing) when the run has no complete save.
+    ``auth_policy``/``keyring``: as for :meth:`CheckpointStore.open` (with a
+    key, the pointer is tagged).
+    """
+    store = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options,
+                                 auth_policy=auth_policy, keyring=keyring)
+    ref = store.latest_complete(deep=True)
+    if ref is None:
+        return None
+    if ref.metadata.get("format") != FORMAT:
+        raise InvalidInputError(f"save {ref.save_id} is not a Lightning save (format {ref.metadata.get('format')!r})")
+    doc = tree_from_json(store.read(ref, DOC_COMPONENT))
+    options = storage_options if url_scheme(os.fspath(path)) == url_scheme(url) else None  # the store's, for its scheme
+    write_atomic(path, make_pointer(ref, store.backend.url, list(doc["keys"]), {}, store.auth), options)
+    return ref
+
+
+def map_tensors(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
+    if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
+        return {k: t.to(map_location) for k, t in tensors.items()}
+    return tensors

@@ -1,0 +1,61 @@
+"""PyTorch's private APIs that ckptstore relies on (tested: torch 2.4 to 2.13).
+
+* DCP's stream-transform machinery (``_extension``, ``_StorageWriterTransforms``,
+  ``_StorageReaderTransforms``): the project's DCP writer and reader accept
+  the same ``_extensions`` as ``FileSystemWriter``/``FileSystemReader``.
+* ``narrow_tensor_by_index`` (``torch.distributed._shard._utils``): the same
+  narrowing DCP's own reader applies to a requested slice.
+* c10d's default store (``distributed_c10d._get_default_store``): the
+  rendezvous store the coordination channel posts to, so a job needs no
+  second rendezvous.
+* a ``DataLoader``'s ``_get_iterator`` (torch and torchdata's
+  ``StatefulDataLoader``): the one moment at which a restored loader applies
+  its state, hooked once after a resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import (
+    _StorageReaderTransforms as StorageReaderTransforms,
+)
+from torch.distributed.checkpoint.filesystem import (
+    _StorageWriterTransforms as StorageWriterTransforms,
+)
+
+#: the torch releases these names were tested with (the extra ``torch`` says ``>=2.4,<3``)
+TESTED = ">=2.4,<3"
+
+__all__ = [
+    "TESTED",
+    "ExtensionRegistry",
+    "StorageReaderTransforms",
+    "StorageWriterTransforms",
+    "StreamTransformExtension",
+    "default_store",
+    "hook_next_iterator",
+    "narrow_tensor_by_index",
+]
+
+
+def default_store() -> Any:
+    """The default process group's rendezvous store (c10d's ``_get_default_store``)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def hook_next_iterator(loader: Any, wrap: Callable[[Callable[[], Any]], Any]) -> None:
+    """Call ``wrap(original)`` instead of ``loader._get_iterator()`` the next
+    time the loader builds an iterator, once: the instance attribute is removed
+    before ``wrap`` runs, so later iterators come from the class method again."""
+    original: Callable[[], Any] = loader._get_iterator
+
+    def once() -> Any:
+        del loader._get_iterator
+        return wrap(original)
+
+    loader._get_iterator = once

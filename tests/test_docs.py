@@ -13,6 +13,7 @@ links to files outside ``docs/``, so the docs write those as plain paths and
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import re
 import subprocess
@@ -137,3 +138,31 @@ def test_examples_fit_the_readme(name: str) -> None:
     # the README stays a front page: short examples, and the whole file about two screens
     assert len(readme_examples()[name].splitlines()) <= 16
     assert len(README.read_bytes()) <= 10_500
+
+
+DOTTED = re.compile(r"(?<![\w./-])(ckptstore(?:\.[A-Za-z_]\w*)+)")
+
+
+def resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_python_names_in_the_docs_exist() -> None:
+    # `ckptstore.x.y` in prose or examples: a module, class or function that moved makes the page wrong
+    names = {n.rstrip(".") for doc in doc_files() for n in DOTTED.findall(doc.read_text(encoding="utf-8"))}
+    names = {n for n in names if not n.endswith((".md", ".py"))}
+    assert len(names) > 10
+    missing = sorted(n for n in names if not resolves(n))
+    assert not missing, f"the docs name Python objects that do not exist (moved? update the page): {missing}"

@@ -6,7 +6,7 @@ the URL-scheme registry.
 ``s3://`` and ``gs://`` backends (:mod:`.s3`, :mod:`.gcs`, :mod:`.obstore_s3`)
 import their client library when they are opened, so they are not imported
 here; :mod:`.faults` wraps any backend with injected faults (tests, drills).
-A third-party backend passes :class:`ckptstore.testing.BackendConformance`.
+A third-party backend proves itself with the conformance suite of the test kit.
 """
 
 from .base import Backend, Capabilities, ObjectInfo

@@ -1,6 +1,6 @@
-"""The ``ckptstore`` command line: :mod:`.main` (the commands and the parser)
+"""The ``ckptstore`` command line: :mod:`.commands` (the commands and the parser)
 and :mod:`.output` (what it prints, and how it fails)."""
 
-from .main import main
+from .commands import main
 
 __all__ = ["main"]

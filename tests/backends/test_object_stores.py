@@ -12,7 +12,7 @@ import pytest
 from ckptstore import CheckpointStore, StoreUnavailableError
 from ckptstore.backends.base import Backend
 from ckptstore.backends.schemes import backend_from_url as object_store_backend
-from ckptstore.cli.main import main as cli_main
+from ckptstore.cli.commands import main as cli_main
 from ckptstore.core.bounded_io import RunIO
 from tests.store.test_invariants import IDENT, save
 

@@ -27,7 +27,7 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import named_memory_backend
-from ckptstore.cli.main import main as cli_main
+from ckptstore.cli.commands import main as cli_main
 from ckptstore.protocol.records import AttemptRecord
 from ckptstore.testing.raw import RawAccess
 

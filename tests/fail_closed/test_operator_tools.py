@@ -26,7 +26,7 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.backends.schemes import backend_from_url
-from ckptstore.cli.main import main as cli_main
+from ckptstore.cli.commands import main as cli_main
 from ckptstore.core.record_auth import ENV_KEYS, keyring_from_env, keyring_from_file, sidecar_key
 from ckptstore.core.signing import attempt_refusal
 from ckptstore.ops.budget import Budget

@@ -599,7 +599,7 @@ def test_the_cli_reports_a_huge_claim_and_keeps_the_last_good_save(
     backend_factory: Callable[[], Backend], capsys: pytest.CaptureFixture[str],
 ) -> None:
     from ckptstore.backends.local import LocalBackend
-    from ckptstore.cli.main import main as cli_main
+    from ckptstore.cli.commands import main as cli_main
 
     b = backend_factory()
     assert isinstance(b, LocalBackend)

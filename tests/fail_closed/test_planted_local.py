@@ -61,7 +61,7 @@ def outside_dir(tmp_path: Path) -> Path:
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ckptstore.cli.main", *args], check=False, capture_output=True, text=True, timeout=CLI_TIMEOUT,
+        [sys.executable, "-m", "ckptstore.cli", *args], check=False, capture_output=True, text=True, timeout=CLI_TIMEOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 

@@ -21,17 +21,17 @@ EVIL = "\u202eexe.txt\u2066-\x1b[31mred\x1b]0;pwned\x07"
 RAW = ("\x1b", "\x07", "\u202e", "\u2066")
 
 
-# ``python -m ckptstore.cli.main``, with s3fs's own retry loop (5 tries, each a full
+# ``python -m ckptstore.cli``, with s3fs's own retry loop (5 tries, each a full
 # round of botocore's retries) cut to one try: client tuning, not the store's
 # logic, for a request that fails the same way every time
 _ONE_S3FS_TRY = (
-    "import runpy, s3fs; s3fs.S3FileSystem.retries = 1; runpy.run_module('ckptstore.cli.main', run_name='__main__')"
+    "import runpy, s3fs; s3fs.S3FileSystem.retries = 1; runpy.run_module('ckptstore.cli', run_name='__main__')"
 )
 
 
 def _cli(*args: str, opts: dict[str, Any], one_s3fs_try: bool = False) -> subprocess.CompletedProcess[str]:
     flat = [x for k, v in opts.items() if isinstance(v, str) for x in ("-o", f"{k}={v}")]
-    entry = ["-c", _ONE_S3FS_TRY] if one_s3fs_try else ["-m", "ckptstore.cli.main"]
+    entry = ["-c", _ONE_S3FS_TRY] if one_s3fs_try else ["-m", "ckptstore.cli"]
     return subprocess.run(
         [sys.executable, *entry, *args, *flat], check=False, capture_output=True, text=True, timeout=120,
         env={**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1"},

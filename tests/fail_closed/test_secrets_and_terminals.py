@@ -15,7 +15,7 @@ import pytest
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
-from ckptstore.cli import main as cli
+from ckptstore.cli import commands as cli
 from ckptstore.ops.budget import Budget
 from ckptstore.ops.drill.proc import run_trainer
 from ckptstore.ops.events import planned_steps, validate_events
@@ -33,7 +33,7 @@ RAW_CONTROL = ("\x1b", "\x07", "\u202e", "\u2066", "\x9b")
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ckptstore.cli.main", *args], check=False, capture_output=True, text=True,
+        [sys.executable, "-m", "ckptstore.cli", *args], check=False, capture_output=True, text=True,
         timeout=CLI_TIMEOUT, env={**os.environ, **(env or {})}, errors="surrogateescape",
     )
 

@@ -36,7 +36,7 @@ from ckptstore.backends.fsspec_base import FsspecBackend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import MemoryBackend, named_memory_backend
 from ckptstore.backends.schemes import backend_from_url
-from ckptstore.cli.main import main as cli_main
+from ckptstore.cli.commands import main as cli_main
 from ckptstore.core import catalog
 from ckptstore.errors import LimitReachedError, ResumeRefusedError
 from ckptstore.protocol import LATEST_LAYOUT, attempts_prefix, commits_prefix, saves_prefix

@@ -134,7 +134,7 @@ def _run_blocked(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_core_import_graph_reaches_no_optional_dependency(tmp_path: Path) -> None:
     code = f"""
         import sys
-        import ckptstore, ckptstore.cli.main, ckptstore.store, ckptstore.backends.schemes, ckptstore.backends.faults
+        import ckptstore, ckptstore.cli.commands, ckptstore.store, ckptstore.backends.schemes, ckptstore.backends.faults
         import ckptstore.backends.local, ckptstore.backends.memory, ckptstore.backends.s3, ckptstore.backends.gcs
         import ckptstore.backends.obstore_s3, ckptstore.testing.raw
         bad = sorted(m for m in sys.modules if m.split(".")[0] in {OPTIONAL_ROOTS!r})
@@ -150,7 +150,7 @@ def test_cli_works_with_the_core_alone(tmp_path: Path) -> None:
     code = f"""
         import sys
         from ckptstore import CheckpointStore
-        from ckptstore.cli.main import main
+        from ckptstore.cli.commands import main
         st = CheckpointStore.open({str(store)!r}, "r1", identity={{"data_digest": "d"}})
         for step in (1, 2, 3):
             with st.save(step) as s:
@@ -168,7 +168,7 @@ def test_cli_works_with_the_core_alone(tmp_path: Path) -> None:
 def test_drill_without_its_extra_says_which_to_install(tmp_path: Path) -> None:
     code = """
         import sys
-        from ckptstore.cli.main import main
+        from ckptstore.cli.commands import main
         sys.exit(main([]))
     """
     r = _run_blocked(code, tmp_path)

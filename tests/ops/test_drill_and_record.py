@@ -94,7 +94,7 @@ def test_record_renders(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 def test_the_drill_end_to_end(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from ckptstore.cli.main import main
+    from ckptstore.cli.commands import main
 
     out = tmp_path / "out"
     rc = main(["drill", "--store", str(tmp_path / "store"), "--out", str(out), "--steps", "40"])

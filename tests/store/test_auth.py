@@ -13,7 +13,7 @@ import pytest
 from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, SkipReason
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
-from ckptstore.cli.main import main as cli_main
+from ckptstore.cli.commands import main as cli_main
 from ckptstore.core.record_auth import UnauthenticatedWarning, keyring_from_file
 from ckptstore.protocol.auth import Keyring, compute_tag, run_key
 from ckptstore.testing.raw import RawAccess

@@ -209,7 +209,7 @@ def test_gc_removes_stray_temporaries_after_the_grace_period(tmp_path) -> None: 
 def test_ls_shows_leftovers_and_latest_names_its_check(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     import time as _t
 
-    from ckptstore.cli.main import main as cli_main
+    from ckptstore.cli.commands import main as cli_main
 
     root = tmp_path / "s"
     st = CheckpointStore.open(str(root), "run", identity=IDENT)

@@ -19,7 +19,7 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.cli.main import main as cli_main
+from ckptstore.cli.commands import main as cli_main
 from ckptstore.protocol.records import MAX_COMMIT_RECORD, AttemptRecord, CommitRecord, EventRecord, RunRecord
 from ckptstore.testing.raw import RawAccess
 

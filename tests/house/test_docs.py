@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MARKED_BLOCK = re.compile(r"^<!-- docs-test: ([\w-]+) -->\n```python\n(.*?)^```", re.M | re.S)
 

@@ -35,7 +35,7 @@ class RunIO:
         self.retry = retry or RetryPolicy()
         #: component bytes read so far (reads of records not counted)
         self.bytes_read = 0
-        #: how the run names its commits (PROTOCOL.md §1.1): set by ``runbind``
+        #: how the run names its commits (PROTOCOL.md §1.1): set by :mod:`.binding`
         #: once the run record was read or created
         self.layout_or_none: Layout | None = None
 

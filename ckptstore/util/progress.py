@@ -23,7 +23,8 @@ MIN_REDRAW = 0.1
 class Progress:
     """``with progress("verify", total) as bar: ... bar.advance(n)``; no-op when not shown."""
 
-    def __init__(self, label: str, total: float, *, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(self, label: str, total: float, *, enabled: bool, stream: TextIO | None = None,
+                 use_rich: bool = True) -> None:
         self.label = escape(label)
         self.total = max(0.0, float(total))
         self.done = 0.0
@@ -32,9 +33,10 @@ class Progress:
         self._last = 0.0
         self._rich: Any = None
         self._task: Any = None
+        self._use_rich = use_rich
 
     def __enter__(self) -> Progress:
-        if self.enabled:
+        if self.enabled and self._use_rich:
             try:
                 from rich.progress import Progress as RichProgress  # optional: a nicer bar when present
             except ImportError:
@@ -61,11 +63,18 @@ class Progress:
             self._last = now
             self._draw()
 
+    def clear(self) -> None:
+        """Erase the bar (before other output on the terminal; :meth:`advance` redraws it)."""
+        if self.enabled and self._rich is None:
+            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.flush()
+
     def _draw(self) -> None:
         width = 30
         frac = min(1.0, self.done / self.total) if self.total else 0.0
         fill = int(frac * width)
-        self.stream.write(f"\r{self.label[:40]:<40} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}%")
+        shown = f"{frac * 100:5.1f}%" if self.total else "working…"
+        self.stream.write(f"\r{self.label[:40]:<40} [{'#' * fill}{'.' * (width - fill)}] {shown}")
         self.stream.flush()
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -78,9 +87,11 @@ class Progress:
         self.stream.flush()
 
 
-def progress(label: str, total: float, *, quiet: bool = False, stream: TextIO | None = None) -> Progress:
-    """A bar on ``stream`` (standard error) when it is a terminal and not ``quiet``."""
+def progress(label: str, total: float, *, quiet: bool = False, stream: TextIO | None = None,
+             use_rich: bool = True) -> Progress:
+    """A bar on ``stream`` (standard error) when it is a terminal and not ``quiet``
+    (``total`` 0: an activity line without a percentage)."""
     s = stream or sys.stderr
     isatty = getattr(s, "isatty", None)
     shown = not quiet and callable(isatty) and bool(isatty())
-    return Progress(label, total, enabled=shown, stream=s)
+    return Progress(label, total, enabled=shown, stream=s, use_rich=use_rich)

@@ -110,6 +110,12 @@ def promotion_check(
     p = rec["promotion"]
     if not p["eligible"]:
         reasons += [r for r in p["reasons"] if step is None or not r.startswith(_FINAL_ONLY)]
+    for sk in rec.get("skipped_newer_candidates", []):
+        reasons.append(f"a newer save is not complete or does not verify: step {sk.get('step')} attempt "
+                       f"{sk.get('attempt')}: {sk.get('reason')}: {str(sk.get('detail', ''))[:200]}")
+    for rj in rec.get("rejected_events", []):
+        if rj.get("event") == "finished":
+            reasons.append(f"the finish claim was not confirmed by the records: {str(rj.get('reason'))[:200]}")
     reasons += _identity_refusals(store)
     if store.auth_policy is AuthPolicy.REQUIRE:
         rejected = [r for r in rec.get("rejected_events", []) if "authenticat" in str(r.get("reason", ""))]

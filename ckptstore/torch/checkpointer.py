@@ -76,7 +76,7 @@ from .loaders import (
     live_iterator_problem,
     plain_loader_problem,
 )
-from .metrics import CheckpointerMetrics, wasted_since
+from .metrics import CheckpointerMetrics, save_event, wasted_since
 from .restore import (
     ConfigDiff,
     apply_state,
@@ -306,6 +306,7 @@ class Checkpointer:
             fell_back=ref is not None and first_choice is not None and ref.save_id != first_choice.save_id,
             step=None if ref is None else ref.step,
             committed_at=None if ref is None else ref.record.created_at,
+            last_save=None if ref is None else save_event(events, ref.save_id),
         )
 
     def _arm_loaders(self, saved: SavedState, restore_rng_state: bool) -> None:

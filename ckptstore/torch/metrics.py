@@ -70,8 +70,14 @@ class CheckpointerMetrics:
         self.flush()
 
     def resumed(self, *, restarts: int, wasted_steps: int, fell_back: bool, step: int | None,
-                committed_at: float | None) -> None:
+                committed_at: float | None, last_save: dict[str, Any] | None = None) -> None:
         with self._lock:
+            if last_save is not None:  # the resumed-from save's own figures, until this attempt saves
+                for key, name in (("seconds", "ckptstore_last_save_duration_seconds"),
+                                  ("bytes", "ckptstore_last_save_bytes")):
+                    v = last_save.get(key)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self.values[name] = float(v)
             self.values["ckptstore_restarts"] = restarts
             self.values["ckptstore_wasted_steps"] = wasted_steps
             if fell_back:
@@ -104,6 +110,15 @@ class CheckpointerMetrics:
     def flush(self) -> None:
         if self.path is not None:
             write_textfile(self.path, self.text())
+
+
+def save_event(events: list[dict[str, Any]], save_id: str) -> dict[str, Any] | None:
+    """The payload of the ``save`` event that recorded ``save_id``, if any."""
+    for e in reversed(events):
+        p = e.get("payload")
+        if e.get("event") == "save" and isinstance(p, dict) and p.get("save_id") == save_id:
+            return p
+    return None
 
 
 def wasted_since(events: list[dict[str, Any]], attempt: int, resumed_from: int | None) -> int:

@@ -138,8 +138,12 @@ def _torch_source(store: CheckpointStore, ref: SaveRef, entry: str) -> ModelSour
             raise CorruptionError(f"{where}: a tensor of {entry!r} has no name")
         if t.dtype not in DTYPE_TO_ST:
             raise InvalidInputError(f"{where}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
-        out.append(TensorSource(name, t.dtype, tuple(t.shape), lambda t=t: t))
+        out.append(TensorSource(name, t.dtype, tuple(t.shape), _const(t)))
     return ModelSource("ckptstore.torch/1", out)
+
+
+def _const(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t
 
 
 def _hf_source(store: CheckpointStore, ref: SaveRef, files: str) -> ModelSource:

@@ -39,8 +39,8 @@ def mlflow_registrar(model_name: str, *, tracking_uri: str | None = None) -> Cal
     require_mlflow()
 
     def register(promotion: Any) -> dict[str, Any]:
-        import mlflow
-        from mlflow.exceptions import MlflowException
+        mlflow: Any = importlib.import_module("mlflow")  # the optional extra: no stubs needed
+        MlflowException = importlib.import_module("mlflow.exceptions").MlflowException  # noqa: N806
 
         client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         try:

@@ -20,14 +20,15 @@ import time
 from typing import Any
 
 from ..protocol.auth import AuthPolicy
-from ..protocol.selection import SaveState
+from ..protocol.selection import SaveInfo, SaveRef, SaveState
 from ..store import CheckpointStore
 from ..util.redact import redact_url
-from .budget import Budget, account, compare_costs
+from .budget import Accounting, Budget, account, compare_costs
 from .events import RejectedEvent, confirm_budget_stop, confirm_finished, planned_steps, validate_events
 
 
 def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: bool = True) -> dict[str, Any]:
+    """The operator record of the run (module docstring): read, validate, account, judge, present."""
     budget = budget or Budget()
     run = store.run_record
     attempts = store.attempts()
@@ -40,7 +41,55 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
     saves = store.list_saves(deep=deep)
     latest = sel.latest
     newest_attempt = max((a.number for a in attempts), default=None)
-    # verdict-bearing claims count only when the records bear them out
+    finished, budget_stops = _confirmed_verdicts(events, rejected, acc, budget, latest, newest_attempt, run)
+    final = finished[-1]["payload"] if finished else None
+    reasons, unconfirmed = _promotion_reasons(store, run, latest, final, finished, budget_stops, deep)
+    eligible = not reasons
+    status = "eligible" if eligible else "unconfirmed" if unconfirmed else "not-eligible"
+    return {
+        "run_id": store.run_id,
+        "store": redact_url(store.backend.url),
+        "identity": run["identity"],
+        "lineage": run.get("lineage"),
+        "budget": budget.to_json(),
+        "interruptions": acc.interruptions,
+        "restarts": acc.restarts,
+        "attempts": _attempts_json(acc),
+        "last_valid_checkpoint": None if latest is None else {
+            "step": latest.step, "attempt": latest.attempt, "save_id": latest.save_id,
+            "manifest_digest": latest.manifest_digest, "bytes": latest.total_bytes,
+        },
+        "skipped_newer_candidates": [s.to_json() for s in sel.skipped],
+        "discarded_checkpoints": _discarded(saves),
+        "recovered_steps": [a.resumed_from for a in acc.attempts[1:]],
+        "executed_steps": acc.executed_steps,
+        "accepted_steps": acc.accepted_steps,
+        "wasted_steps": acc.wasted_steps,
+        "wasted_gpu_hours": round(acc.wasted_gpu_hours, 4),
+        "spent_gpu_hours": round(acc.spent_gpu_hours, 4),
+        "budget_remaining_gpu_hours": round(budget.limit_gpu_hours - acc.spent_gpu_hours, 4),
+        "budget_stopped": bool(budget_stops),
+        "cost": _cost(saves, acc, budget),
+        "age_of_last_complete_recovery_point_s": _recovery_point_age(saves, latest, events),
+        "save_completion_s": [s.get("seconds") for a in acc.attempts for s in a.saves],
+        "final": final,
+        "promotion": {
+            "eligible": eligible,
+            "status": status,
+            "reasons": reasons or ["finished, final save complete and verified, linked to its manifest"],
+            "artifact_manifest_digest": latest.manifest_digest if (latest and eligible) else None,
+        },
+        "timeline": _timeline(events),
+        "rejected_events": [r.to_json() for r in rejected],
+    }
+
+
+def _confirmed_verdicts(
+    events: list[dict[str, Any]], rejected: list[RejectedEvent], acc: Accounting, budget: Budget,
+    latest: SaveRef | None, newest_attempt: int | None, run: dict[str, Any],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The ``finished`` and ``budget-exhausted`` claims the records bear out;
+    the others are appended to ``rejected`` with the reason."""
     finished: list[dict[str, Any]] = []
     budget_stops: list[dict[str, Any]] = []
     latest_key = (latest.step, latest.attempt, latest.manifest_digest) if latest else None
@@ -57,7 +106,15 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
             keep.append(e)
         else:
             rejected.append(RejectedEvent(e["event"], e["attempt"], e["at"], why))
-    final = finished[-1]["payload"] if finished else None
+    return finished, budget_stops
+
+
+def _promotion_reasons(
+    store: CheckpointStore, run: dict[str, Any], latest: SaveRef | None, final: dict[str, Any] | None,
+    finished: list[dict[str, Any]], budget_stops: list[dict[str, Any]], deep: bool,
+) -> tuple[list[str], bool]:
+    """Why the run is not eligible for promotion (empty: it is), and whether
+    the only reason is an unconfirmed finish."""
     reasons: list[str] = []
     if budget_stops and not finished:
         reasons.append("budget-stopped: training ended before its last step")
@@ -81,80 +138,59 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
         reasons.append("unconfirmed: the run's identity declares no planned_steps, so that it finished rests on a "
                        "ledger event anyone who can write the store can forge; declare planned_steps in the "
                        "identity, or read the run with auth_policy=require (signed events)")
-    eligible = not reasons
-    status = "eligible" if eligible else "unconfirmed" if unconfirmed else "not-eligible"
-    commit_times = {(i.step, i.attempt): i.created_at for i in saves if i.created_at}
-    now = time.time()
-    last_commit_at = commit_times.get((latest.step, latest.attempt)) if latest else None
-    ended_at = max((float(e["at"]) for e in events), default=now)
-    total_bytes = sum(i.bytes for i in saves)
-    storage_gb = total_bytes / 1e9
+    return reasons, unconfirmed
+
+
+def _attempts_json(acc: Accounting) -> list[dict[str, Any]]:
+    return [
+        {
+            **a.to_json(),
+            "recovered_step": a.resumed_from,
+            "time_to_first_useful_step_s": a.first_step_seconds,
+            "save_completion_s": [s.get("seconds") for s in a.saves],
+        }
+        for a in acc.attempts
+    ]
+
+
+def _discarded(saves: list[SaveInfo]) -> list[dict[str, Any]]:
+    return [
+        {"step": i.step, "attempt": i.attempt, "save_id": i.save_id, "state": i.state.value, "detail": i.detail}
+        for i in saves
+        if i.state in (SaveState.PARTIAL, SaveState.IN_PROGRESS, SaveState.CORRUPT, SaveState.SUPERSEDED)
+    ]
+
+
+def _cost(saves: list[SaveInfo], acc: Accounting, budget: Budget) -> dict[str, Any]:
+    storage_gb = sum(i.bytes for i in saves) / 1e9
     billed = acc.spent_gpu_hours
     ordinary = acc.accepted_steps * budget.gpu_hours_per_step
     costs = compare_costs(ordinary, billed, budget.ordinary_price_per_gpu_hour, budget.price_per_gpu_hour)
     storage_cost = storage_gb * budget.storage_price_per_gb_month
     transfer_cost = storage_gb * budget.transfer_price_per_gb
-    discarded = [
-        {"step": i.step, "attempt": i.attempt, "save_id": i.save_id, "state": i.state.value, "detail": i.detail}
-        for i in saves
-        if i.state in (SaveState.PARTIAL, SaveState.IN_PROGRESS, SaveState.CORRUPT, SaveState.SUPERSEDED)
-    ]
-    timeline = []
-    for e in events:
-        timeline.append({"at": e["at"], "attempt": e.get("attempt"), "event": e["event"], **{
-            k: v for k, v in e.get("payload", {}).items() if k in ("step", "seconds", "resumed_from", "save_id")}})
     return {
-        "run_id": store.run_id,
-        "store": redact_url(store.backend.url),
-        "identity": run["identity"],
-        "lineage": run.get("lineage"),
-        "budget": budget.to_json(),
-        "interruptions": acc.interruptions,
-        "restarts": acc.restarts,
-        "attempts": [
-            {
-                **a.to_json(),
-                "recovered_step": a.resumed_from,
-                "time_to_first_useful_step_s": a.first_step_seconds,
-                "save_completion_s": [s.get("seconds") for s in a.saves],
-            }
-            for a in acc.attempts
-        ],
-        "last_valid_checkpoint": None if latest is None else {
-            "step": latest.step, "attempt": latest.attempt, "save_id": latest.save_id,
-            "manifest_digest": latest.manifest_digest, "bytes": latest.total_bytes,
-        },
-        "skipped_newer_candidates": [s.to_json() for s in sel.skipped],
-        "discarded_checkpoints": discarded,
-        "recovered_steps": [a.resumed_from for a in acc.attempts[1:]],
-        "executed_steps": acc.executed_steps,
-        "accepted_steps": acc.accepted_steps,
-        "wasted_steps": acc.wasted_steps,
-        "wasted_gpu_hours": round(acc.wasted_gpu_hours, 4),
-        "spent_gpu_hours": round(acc.spent_gpu_hours, 4),
-        "budget_remaining_gpu_hours": round(budget.limit_gpu_hours - acc.spent_gpu_hours, 4),
-        "budget_stopped": bool(budget_stops),
-        "cost": {
-            "compute": round(billed * budget.price_per_gpu_hour, 4),
-            "storage_per_month": round(storage_cost, 6),
-            "transfer": round(transfer_cost, 6),
-            "total": round(billed * budget.price_per_gpu_hour + storage_cost + transfer_cost, 4),
-            "per_accepted_step": round(billed * budget.price_per_gpu_hour / acc.accepted_steps, 6)
-            if acc.accepted_steps else None,
-            "interruptible_vs_ordinary": costs.to_json(),
-        },
-        "age_of_last_complete_recovery_point_s": None if last_commit_at is None else round(ended_at - last_commit_at, 3),
-        "save_completion_s": [s.get("seconds") for a in acc.attempts for s in a.saves],
-        "final": final,
-        "promotion": {
-            "eligible": eligible,
-            "status": status,
-            "reasons": reasons or ["finished, final save complete and verified, linked to its manifest"],
-            "artifact_manifest_digest": latest.manifest_digest if (latest and eligible) else None,
-        },
-        "timeline": timeline,
-        "rejected_events": [r.to_json() for r in rejected],
+        "compute": round(billed * budget.price_per_gpu_hour, 4),
+        "storage_per_month": round(storage_cost, 6),
+        "transfer": round(transfer_cost, 6),
+        "total": round(billed * budget.price_per_gpu_hour + storage_cost + transfer_cost, 4),
+        "per_accepted_step": round(billed * budget.price_per_gpu_hour / acc.accepted_steps, 6)
+        if acc.accepted_steps else None,
+        "interruptible_vs_ordinary": costs.to_json(),
     }
+
+
+def _recovery_point_age(saves: list[SaveInfo], latest: SaveRef | None, events: list[dict[str, Any]]) -> float | None:
+    """Seconds from the newest complete save's commit to the run's last event."""
+    commit_times = {(i.step, i.attempt): i.created_at for i in saves if i.created_at}
+    last_commit_at = commit_times.get((latest.step, latest.attempt)) if latest else None
+    ended_at = max((float(e["at"]) for e in events), default=time.time())
+    return None if last_commit_at is None else round(ended_at - last_commit_at, 3)
+
+
+def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"at": e["at"], "attempt": e.get("attempt"), "event": e["event"], **{
+        k: v for k, v in e.get("payload", {}).items() if k in ("step", "seconds", "resumed_from", "save_id")}}
+        for e in events]
 
 
 def render_table(rec: dict[str, Any]) -> str:

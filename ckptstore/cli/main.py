@@ -341,7 +341,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def cmd_verify_artifact(args: argparse.Namespace) -> int:
     _require("artifact verification", "torch", "torch", "safetensors")
     from ..core.record_auth import load_keyring
-    from ..ops.artifact import read_provenance, verify_artifact
+    from ..ops.artifact_check import read_provenance, verify_artifact
     from ..util.progress import progress
 
     opts = _parse_options(args.storage_option)

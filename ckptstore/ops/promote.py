@@ -36,17 +36,11 @@ from ..protocol.auth import AuthPolicy
 from ..protocol.selection import SaveRef
 from ..store import CheckpointStore
 from ..util.redact import redact_url
-from .artifact import (
-    DEFAULT_SHARD_BYTES,
-    ArtifactReport,
-    TensorSource,
-    model_source,
-    sink_for,
-    verify_artifact,
-    write_artifact,
-)
+from .artifact import DEFAULT_SHARD_BYTES, sink_for, write_artifact
+from .artifact_check import ArtifactReport, verify_artifact
 from .budget import Budget
 from .report import build_record
+from .weights import TensorSource, model_source
 
 #: ledger event a trainer records when it refuses to resume under a changed identity
 IDENTITY_REFUSED = "identity-refused"

@@ -20,15 +20,12 @@ from ckptstore.ops.artifact import (
     INDEX,
     PROVENANCE,
     LocalSink,
-    ModelSource,
-    TensorSource,
-    model_source,
-    read_provenance,
-    verify_artifact,
     write_artifact,
 )
+from ckptstore.ops.artifact_check import read_provenance, verify_artifact
 from ckptstore.ops.budget import Budget
 from ckptstore.ops.promote import IDENTITY_REFUSED, promote, promotion_check
+from ckptstore.ops.weights import ModelSource, TensorSource, model_source
 from ckptstore.protocol.auth import Keyring
 from ckptstore.torch import Checkpointer, read_state
 

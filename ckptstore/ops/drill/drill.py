@@ -332,7 +332,8 @@ class Drill:
         from safetensors.torch import load_file
 
         from ...torch import read_state
-        from ..artifact import PROVENANCE, verify_artifact
+        from ..artifact import PROVENANCE
+        from ..artifact_check import verify_artifact
 
         dest = self.out / "artifact-receipts"
         if (dest / PROVENANCE).exists():

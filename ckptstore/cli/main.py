@@ -315,8 +315,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
             f"  - {esc(r)}" for r in check.reasons)
         _emit(args, obj, text)
         return 1
-    total = sum(c.size for n, c in check.ref.components.items() if n.startswith(("model", "files/model", "dcp/"))) \
-        if check.ref else 0
+    # the bar's scale: the stored model bytes where they are one component (else an activity line)
+    comp = check.ref.components.get("model.safetensors") if check.ref else None
+    total = comp.size if comp is not None else 0
     try:
         with progress(f"promote step {check.ref.step if check.ref else '?'}", total, quiet=args.json) as bar:
             result = promote(store, args.to, step=args.step, reason=args.reason, check=check,

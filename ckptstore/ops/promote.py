@@ -28,7 +28,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CkptStoreError, NotFoundError, PromotionRefusedError
@@ -78,7 +78,6 @@ class Promotion:
     verified: ArtifactReport
     registered: dict[str, Any] | None = None
     seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"promoted": True, "location": redact_url(self.location), "run_id": self.ref.run_id,

@@ -309,3 +309,24 @@ def test_a_hugging_face_save_promotes_to_a_model_transformers_loads(tmp_path: Pa
     again = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "art"))
     want, got = model.state_dict(), again.state_dict()
     assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("kind", ["moto", "fakegcs"])
+def test_promote_to_s3_and_gcs_through_the_projects_backends(kind: str, tmp_path: Path, request: Any) -> None:
+    import uuid
+
+    from tests.conftest import selected_kinds
+
+    if kind not in selected_kinds():
+        pytest.skip(f"{kind} is not among CKPT_BACKENDS")
+    to, opts = request.getfixturevalue("object_servers").url_and_options(kind, f"art-{uuid.uuid4().hex[:8]}")
+    url = str(tmp_path / "store")
+    train_run(url)
+    st = reader(url)
+    res = promote(st, to, storage_options=opts)
+    assert sorted(res.files) == ["model.safetensors"]
+    rep = verify_artifact(to, store=st, storage_options=opts)
+    assert rep.ok, rep.problems
+    assert read_provenance(to, opts)["manifest_digest"] == res.ref.manifest_digest
+    with pytest.raises(Exception, match="not empty"):
+        promote(st, to, storage_options=opts)

@@ -283,7 +283,7 @@ def gpu_hours_curve(rec: dict[str, Any]) -> list[tuple[float, float]]:
     return out
 
 
-def render_timeline_svg(rec: dict[str, Any], width: int = 960, height: int = 440) -> str:
+def render_timeline_svg(rec: dict[str, Any], width: int = 1000, height: int = 440) -> str:
     """The run on one picture, plain SVG (any browser shows it): steps against
     wall time per attempt (left axis), cumulative GPU-hours and the budget line
     (right axis) with the budget stop marked, committed saves, interruptions,
@@ -311,7 +311,7 @@ class _Geometry:
 
     def __init__(self, rec: dict[str, Any], width: int, height: int) -> None:
         self.width, self.height = width, height
-        self.ml, self.mr, self.mt, self.mb = 64, 170, 34, 52
+        self.ml, self.mr, self.mt, self.mb = 64, 230, 34, 52
         self.W, self.H = width - self.ml - self.mr, height - self.mt - self.mb
         times = [float(e["at"]) for e in rec["timeline"]]
         self.t0 = min(times)
@@ -427,7 +427,7 @@ def _attempt_layers(rec: dict[str, Any], g: _Geometry) -> list[str]:
 def _legend(g: _Geometry) -> list[str]:
     x0, y0 = g.ml + g.W + 62, g.mt + 4
     items = [
-        ('<line x1="0" y1="0" x2="18" y2="0" stroke="#1f77b4" stroke-width="2"/>', "attempt (#n): steps done"),
+        ('<line x1="0" y1="0" x2="18" y2="0" stroke="#1f77b4" stroke-width="2"/>', "attempt #n: steps done"),
         ('<circle cx="9" cy="0" r="3.5" fill="#1f77b4"/>', "committed save"),
         ('<text x="9" y="5" fill="#d62728" font-size="16" text-anchor="middle">✕</text>', "interrupted"),
         ('<rect x="0" y="-5" width="18" height="10" fill="#d62728" opacity="0.15"/>', "wasted (done again)"),
@@ -438,7 +438,7 @@ def _legend(g: _Geometry) -> list[str]:
         ('<line x1="9" y1="-6" x2="9" y2="6" stroke="#d62728" stroke-width="2"/>', "budget stop"),
     ]
     out = [f'<g transform="translate({x0},{y0})">',
-           f'<rect x="-6" y="-6" width="104" height="{len(items) * 16 + 8}" fill="white" stroke="#ccc"/>']
+           f'<rect x="-6" y="-6" width="160" height="{len(items) * 16 + 8}" fill="white" stroke="#ccc"/>']
     for i, (mark, text) in enumerate(items):
         out.append(f'<g transform="translate(0,{i * 16 + 6})">{mark}<text x="24" y="4" font-size="10">'
                    f'{html.escape(text)}</text></g>')

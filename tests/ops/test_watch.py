@@ -195,3 +195,19 @@ def test_cli_verify_and_gc_print_no_bar_when_not_a_terminal(tmp_path: Path, caps
     assert main(["gc", url, "r", "--apply", "--json"]) == 0
     err = capsys.readouterr().err
     assert "%" not in err and "[" not in err
+
+
+def test_cli_verify_on_a_terminal_streams_under_a_bar_and_still_finds_corruption(tmp_path: Path, capsys: Any,
+                                                                                 monkeypatch: Any) -> None:
+    import sys
+
+    url = str(tmp_path / "s")
+    small_run(url)
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["verify", url, "r"]) == 0
+    assert "OK: step 3" in capsys.readouterr().out
+    comp = next(p for p in (tmp_path / "s").rglob("m") if p.is_file())
+    comp.write_bytes(b"y" * 10)  # same size, other bytes
+    assert main(["verify", url, "r"]) == 1
+    assert "CORRUPT" in capsys.readouterr().out

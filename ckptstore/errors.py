@@ -129,3 +129,14 @@ class IdentityMismatchError(CkptStoreError):
 class SaveAbortedError(SaveNotPublishedError):
     """A save was abandoned before its commit (an exception inside the ``with``
     block, an I/O error, or a failed verification). Nothing was published."""
+
+
+class PromotionRefusedError(CkptStoreError):
+    """A run may not be promoted to a serving artifact; ``reasons`` lists every
+    reason (budget-stopped, not finished, final save incomplete or corrupt, ...).
+    Nothing was written."""
+
+    def __init__(self, run_id: str, reasons: Sequence[str]) -> None:
+        self.run_id = run_id
+        self.reasons = list(reasons)
+        super().__init__(f"run {run_id!r} is not promotable: " + "; ".join(self.reasons))

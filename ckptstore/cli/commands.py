@@ -18,9 +18,10 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ..defaults import BUDGET_GPU_HOURS, DEFAULT_GRACE_SECONDS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
-from ..errors import ExtraRequiredError
+from ..errors import CkptStoreError, ExtraRequiredError
 from ..ops.budget import MIN_STEP_SECONDS
 from ..store import CheckpointStore, SaveRef
 from ..util.redact import redact_text
@@ -137,7 +138,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         ref = store.get_save(args.step, args.attempt)
     t0 = time.monotonic()
-    rep = store.verify(ref, deep=not args.shallow)
+    rep = _verify_with_progress(store, ref, deep=not args.shallow, quiet=args.json)
     took = time.monotonic() - t0
     obj = {
         "ok": rep.ok,
@@ -161,9 +162,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
+def _verify_with_progress(store: CheckpointStore, ref: SaveRef, *, deep: bool, quiet: bool) -> Any:
+    """``store.verify``; on a terminal a deep check streams each component
+    (verified as read) under a progress bar first, then checks the record."""
+    from ..errors import CorruptionError
+    from ..util.progress import progress
+
+    with progress(f"verify step {ref.step}", ref.total_bytes, quiet=quiet) as bar:
+        if not (deep and bar.enabled):
+            return store.verify(ref, deep=deep)
+        try:
+            for name in sorted(ref.components):
+                for chunk in store.iter_read(ref, name):
+                    bar.advance(len(chunk))
+        except CorruptionError:
+            return store.verify(ref, deep=True)  # the authoritative report names every problem
+        return store.verify(ref, deep=False)
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
+    from ..util.progress import progress
+
     store = _open(args)
-    rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply, deep=not args.shallow)
+    with progress("gc --apply: deleting", 0, quiet=args.json or not args.apply):
+        rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply,
+                       deep=not args.shallow)
     obj = {
         "dry_run": rep.dry_run,
         "refused": rep.refused,
@@ -255,12 +278,10 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ..ops.budget import Budget
     from ..ops.report import build_record, render_table, render_timeline_svg
 
     store = _open(args)
-    rec = build_record(store, Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours,
-                                     min_step_seconds=args.min_step_seconds))
+    rec = build_record(store, _budget(args))
     if args.svg:
         with open(args.svg, "w") as f:
             f.write(render_timeline_svg(rec))
@@ -268,10 +289,248 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget(args: argparse.Namespace) -> Any:
+    from ..ops.budget import Budget
+
+    return Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours,
+                  min_step_seconds=args.min_step_seconds)
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    _require("promotion", "torch", "torch", "safetensors")
+    from ..errors import PromotionRefusedError
+    from ..ops.promote import promote, promotion_check
+    from ..util.progress import progress
+
+    register = None
+    if args.register == "mlflow":
+        from ..ops.registry import mlflow_registrar
+
+        register = mlflow_registrar(args.model_name, tracking_uri=args.tracking_uri)
+    store = _open(args)
+    check = promotion_check(store, budget=_budget(args), step=args.step, reason=args.reason)
+    if not check.promotable:
+        obj = {"promoted": False, **check.to_json()}
+        text = f"REFUSED: run {esc(store.run_id)} is not promotable:\n" + "\n".join(
+            f"  - {esc(r)}" for r in check.reasons)
+        _emit(args, obj, text)
+        return 1
+    # the bar's scale: the stored model bytes where they are one component (else an activity line)
+    comp = check.ref.components.get("model.safetensors") if check.ref else None
+    total = comp.size if comp is not None else 0
+    try:
+        with progress(f"promote step {check.ref.step if check.ref else '?'}", total, quiet=args.json) as bar:
+            result = promote(store, args.to, step=args.step, reason=args.reason, check=check,
+                             max_shard_bytes=int(args.max_shard_size * 1e6), register=register,
+                             storage_options=_parse_options(args.to_option),
+                             on_tensor=lambda t: bar.advance(t.nbytes))
+    except PromotionRefusedError as exc:  # a race: the run changed between the check and the write
+        _emit(args, {"promoted": False, "reasons": exc.reasons}, f"REFUSED: {esc(str(exc))}")
+        return 1
+    lines = [f"promoted run {esc(store.run_id)} step {result.ref.step} (save {esc(result.ref.save_id)}, manifest "
+             f"{result.ref.manifest_digest[:16]}…) to {esc(redact_text(result.location))} in {result.seconds:.2f}s"]
+    lines += [f"  {esc(n)}  {_human_bytes(f['size'])}  blake3 {f['blake3'][:16]}…" for n, f in sorted(result.files.items())]
+    lines.append("  provenance.json" + ("  (signed with the run's key)" if result.provenance.get("auth") else ""))
+    lines.append("verified: every file re-hashed; the save is complete, verifies and holds exactly these tensors")
+    if result.registered:
+        lines.append(f"registered: {esc(str(result.registered.get('model')))} version "
+                     f"{esc(str(result.registered.get('version')))}")
+    _emit(args, result.to_json(), "\n".join(lines))
+    return 0
+
+
+def cmd_verify_artifact(args: argparse.Namespace) -> int:
+    _require("artifact verification", "torch", "torch", "safetensors")
+    from ..core.record_auth import load_keyring
+    from ..ops.artifact_check import read_provenance, verify_artifact
+    from ..util.progress import progress
+
+    opts = _parse_options(args.storage_option)
+    store = None
+    policy = args.auth_policy or ("warn" if args.auth_key_file else "off")
+    keyring = load_keyring(key_file=args.auth_key_file) if policy != "off" else None
+    if args.store:
+        try:
+            run_id = str(read_provenance(args.dir, opts)["run_id"])
+        except CkptStoreError as exc:
+            _emit(args, {"ok": False, "problems": [str(exc)]}, f"ARTIFACT INVALID: {esc(str(exc))}")
+            return 1
+        store = CheckpointStore.open(args.store, run_id, mode="r", storage_options=_parse_options(args.store_option),
+                                     auth_policy=policy, keyring=keyring)
+    with progress("verify artifact", 0, quiet=args.json) as bar:
+        rep = verify_artifact(args.dir, store=store, keyring=keyring, require_auth=policy == "require",
+                              storage_options=opts, on_file=lambda name, n: bar.advance(n, label=name))
+    p = rep.provenance or {}
+    if rep.ok:
+        text = (f"ARTIFACT OK: run {esc(str(p.get('run_id')))} step {p.get('step')} (save {esc(str(p.get('save_id')))})"
+                f": {len(p.get('files', {}))} file(s) re-hashed"
+                + ("; the store's save is complete, verifies and holds exactly these tensors" if rep.checked_store
+                   else " (pass --store URL to check them against the save)")
+                + ("; provenance authenticated" if rep.authenticated else ""))
+    else:
+        text = "ARTIFACT INVALID:\n" + "\n".join(f"  - {esc(x)}" for x in rep.problems)
+    _emit(args, rep.to_json(), text)
+    return 0 if rep.ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ..ops.status import parse_age, run_status, status_samples
+    from ..util.prometheus import render, write_textfile
+
+    max_age = parse_age(args.max_age) if args.max_age else None
+    budget = _budget(args)
+    out, samples, lines, ok = [], [], [], True
+    for run in args.runs:
+        args.run = run
+        st = run_status(_open(args), max_age=max_age, budget=budget)
+        out.append(st.to_json())
+        samples += status_samples(st)
+        lines.append(esc(st.line()))
+        ok = ok and st.ok
+    if args.prom:
+        write_textfile(args.prom, render(samples))
+    _emit(args, out, "\n".join(lines))
+    return 0 if ok else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..ops.demo import run_demo
 
     return run_demo(args.store)
+
+
+def _debug_flag(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print the traceback of a failure")
+
+
+def _storage_flags(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
+    sp.add_argument(
+        "--auth-policy", choices=["off", "warn", "require"], default=None,
+        help="authenticated records: off (default), warn, require (keys: --auth-key-file or CKPTSTORE_AUTH_KEYS)",
+    )
+    sp.add_argument("--auth-key-file", default=None, help='key file {"active": ID, "keys": {ID: HEX}}, mode 600')
+
+
+def _common(sp: argparse.ArgumentParser) -> None:
+    """URL, RUN and the flags every store command takes."""
+    _debug_flag(sp)
+    sp.add_argument("url", help="store URL: a directory, file://, memory://, s3://bucket/prefix, gs://bucket/prefix")
+    sp.add_argument("run", help="run ID")
+    _storage_flags(sp)
+
+
+def _budget_flags(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--budget-gpu-hours", type=float, default=BUDGET_GPU_HOURS)
+    sp.add_argument("--gpu-hours-per-step", type=float, default=GPU_HOURS_PER_STEP)
+    sp.add_argument("--restart-gpu-hours", type=float, default=RESTART_GPU_HOURS)
+    sp.add_argument("--min-step-seconds", type=float, default=MIN_STEP_SECONDS,
+                    help="the shortest time a step can take: progress claimed faster than this is not believed")
+
+
+def _add_inspection_commands(sub: Any) -> None:
+    """ls, latest, verify, inspect: reading a run's saves."""
+    sp = sub.add_parser("ls", help="list every save of a run with its state")
+    _common(sp)
+    sp.add_argument("--deep", action="store_true", help="re-hash every component")
+    sp.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, help="seconds an uncommitted save counts as in progress")
+    sp.set_defaults(fn=cmd_ls)
+
+    sp = sub.add_parser("latest", help="the newest complete save, and why newer candidates were skipped")
+    _common(sp)
+    sp.add_argument("--deep", action="store_true", help="re-hash every byte (what a resume checks by default)")
+    sp.set_defaults(fn=cmd_latest)
+
+    sp = sub.add_parser("verify", help="re-hash a save (the latest by default); exit 1 on corruption")
+    _common(sp)
+    sp.add_argument("--step", type=int)
+    sp.add_argument("--attempt", type=int)
+    sp.add_argument("--shallow", action="store_true", help="check sizes only")
+    sp.set_defaults(fn=cmd_verify)
+
+    sp = sub.add_parser("inspect", help="a run's identity, attempts and a save's manifest")
+    _common(sp)
+    sp.add_argument("--step", type=int)
+    sp.add_argument("--attempt", type=int)
+    sp.set_defaults(fn=cmd_inspect)
+
+
+def _add_maintenance_commands(sub: Any) -> None:
+    """gc and sign: commands that write to the store."""
+    sp = sub.add_parser("gc", help="delete old, superseded and abandoned saves (dry run unless --apply)")
+    _common(sp)
+    sp.add_argument("--keep-last", type=int, default=2)
+    sp.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, help="never delete an uncommitted save younger than this")
+    sp.add_argument("--apply", action="store_true", help="really delete")
+    sp.add_argument("--shallow", action="store_true", help="check sizes only (default: re-hash before deleting)")
+    sp.set_defaults(fn=cmd_gc)
+
+    sp = sub.add_parser("sign", help="sign a run's existing records (after re-hashing every save) with the configured key")
+    _common(sp)
+    sp.set_defaults(fn=cmd_sign)
+
+
+def _add_run_commands(sub: Any) -> None:
+    """demo, drill, report, status: whole runs."""
+    sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
+    sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
+    _debug_flag(sp)
+    sp.set_defaults(fn=cmd_demo)
+
+    sp = sub.add_parser("drill", help="the recovery drill (the default command)")
+    sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
+    sp.add_argument("--out", default="drill-out", help="where the record, JSON, timeline and promoted artifact go")
+    sp.add_argument("--steps", type=int, default=120)
+    sp.add_argument("--budget-gpu-hours", type=float, default=BUDGET_GPU_HOURS)
+    sp.add_argument("--gpu-hours-per-step", type=float, default=GPU_HOURS_PER_STEP)
+    sp.add_argument("--mtbi-steps", type=float, default=40.0, help="expected steps between interruptions")
+    sp.add_argument("--verbose", action="store_true", help="echo the trainer processes' output")
+    sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE")
+    _debug_flag(sp)
+    sp.set_defaults(fn=cmd_drill)
+
+    sp = sub.add_parser("report", help="the operator record of a run, from the store alone")
+    _common(sp)
+    _budget_flags(sp)
+    sp.add_argument("--svg", default=None, help="also write the timeline picture here")
+    sp.set_defaults(fn=cmd_report)
+
+    sp = sub.add_parser("status", help="one line per run; exit 1 when stale, without a complete save or over budget")
+    _debug_flag(sp)
+    sp.add_argument("url", help="store URL")
+    sp.add_argument("runs", nargs="+", metavar="RUN", help="run ID(s)")
+    _storage_flags(sp)
+    _budget_flags(sp)
+    sp.add_argument("--max-age", default=None, help="alert when the newest complete save is older (90s, 30m, 2h, 1d)")
+    sp.add_argument("--prom", default=None, metavar="FILE.prom", help="also write the metrics here (textfile collector)")
+    sp.set_defaults(fn=cmd_status)
+
+
+def _add_promotion_commands(sub: Any) -> None:
+    """promote and verify-artifact."""
+    sp = sub.add_parser("promote", help="write a finished run's model as a verified serving artifact (or say why not)")
+    _common(sp)
+    _budget_flags(sp)
+    sp.add_argument("--to", required=True, help="artifact directory (must not exist), or s3:// / gs:// prefix (empty)")
+    sp.add_argument("--step", type=int, default=None, help="promote this step instead of the final one (needs --reason)")
+    sp.add_argument("--reason", default=None, help="why a step other than the final one (kept in the provenance)")
+    sp.add_argument("--max-shard-size", type=float, default=5000.0, metavar="MB",
+                    help="shard the weights above this size (default 5000 MB, as Hugging Face)")
+    sp.add_argument("--to-option", action="append", metavar="KEY=VALUE", help="storage option of the --to URL")
+    sp.add_argument("--register", choices=["mlflow"], default=None,
+                    help="after verification, create a model version (needs the 'registry' extra)")
+    sp.add_argument("--model-name", default=None, help="registered model name (--register)")
+    sp.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI)")
+    sp.set_defaults(fn=cmd_promote)
+
+    sp = sub.add_parser("verify-artifact", help="re-hash a promoted artifact; with --store check its save; exit 1 otherwise")
+    _debug_flag(sp)
+    sp.add_argument("dir", help="artifact directory or URL")
+    sp.add_argument("--store", default=None, help="store URL of the run the provenance names")
+    sp.add_argument("--store-option", action="append", metavar="KEY=VALUE", help="storage option of --store")
+    _storage_flags(sp)
+    sp.set_defaults(fn=cmd_verify_artifact)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,90 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = p.add_subparsers(dest="command")
-
-    def debug_flag(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="print the traceback of a failure")
-
-    def common(sp: argparse.ArgumentParser) -> None:
-        debug_flag(sp)
-        sp.add_argument("url", help="store URL: a directory, file://, memory://, s3://bucket/prefix, gs://bucket/prefix")
-        sp.add_argument("run", help="run ID")
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
-        sp.add_argument(
-            "--storage-option", "-o", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)"
-        )
-        sp.add_argument(
-            "--auth-policy", choices=["off", "warn", "require"], default=None,
-            help="authenticated records: off (default), warn, require (keys: --auth-key-file or CKPTSTORE_AUTH_KEYS)",
-        )
-        sp.add_argument("--auth-key-file", default=None, help='key file {"active": ID, "keys": {ID: HEX}}, mode 600')
-
-    sp = sub.add_parser("ls", help="list every save of a run with its state")
-    common(sp)
-    sp.add_argument("--deep", action="store_true", help="re-hash every component")
-    sp.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, help="seconds an uncommitted save counts as in progress")
-    sp.set_defaults(fn=cmd_ls)
-
-    sp = sub.add_parser("latest", help="the newest complete save, and why newer candidates were skipped")
-    common(sp)
-    sp.add_argument("--deep", action="store_true", help="re-hash every byte (what a resume checks by default)")
-    sp.set_defaults(fn=cmd_latest)
-
-    sp = sub.add_parser("verify", help="re-hash a save (the latest by default); exit 1 on corruption")
-    common(sp)
-    sp.add_argument("--step", type=int)
-    sp.add_argument("--attempt", type=int)
-    sp.add_argument("--shallow", action="store_true", help="check sizes only")
-    sp.set_defaults(fn=cmd_verify)
-
-    sp = sub.add_parser("gc", help="delete old, superseded and abandoned saves (dry run unless --apply)")
-    common(sp)
-    sp.add_argument("--keep-last", type=int, default=2)
-    sp.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, help="never delete an uncommitted save younger than this")
-    sp.add_argument("--apply", action="store_true", help="really delete")
-    sp.add_argument("--shallow", action="store_true", help="check sizes only (default: re-hash before deleting)")
-    sp.set_defaults(fn=cmd_gc)
-
-    sp = sub.add_parser("inspect", help="a run's identity, attempts and a save's manifest")
-    common(sp)
-    sp.add_argument("--step", type=int)
-    sp.add_argument("--attempt", type=int)
-    sp.set_defaults(fn=cmd_inspect)
-
-    sp = sub.add_parser("sign", help="sign a run's existing records (after re-hashing every save) with the configured key")
-    common(sp)
-    sp.set_defaults(fn=cmd_sign)
-
-    sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
-    sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
-    debug_flag(sp)
-    sp.set_defaults(fn=cmd_demo)
-
-    sp = sub.add_parser("drill", help="the recovery drill (the default command)")
-    sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
-    sp.add_argument("--out", default="drill-out", help="where the record, JSON and timeline go")
-    sp.add_argument("--steps", type=int, default=120)
-    sp.add_argument("--budget-gpu-hours", type=float, default=BUDGET_GPU_HOURS)
-    sp.add_argument("--gpu-hours-per-step", type=float, default=GPU_HOURS_PER_STEP)
-    sp.add_argument("--mtbi-steps", type=float, default=40.0, help="expected steps between interruptions")
-    sp.add_argument("--verbose", action="store_true", help="echo the trainer processes' output")
-    sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE")
-    debug_flag(sp)
-    sp.set_defaults(fn=cmd_drill)
-
-    sp = sub.add_parser("report", help="the operator record of a run, from the store alone")
-    common(sp)
-    sp.add_argument("--budget-gpu-hours", type=float, default=BUDGET_GPU_HOURS)
-    sp.add_argument("--gpu-hours-per-step", type=float, default=GPU_HOURS_PER_STEP)
-    sp.add_argument("--restart-gpu-hours", type=float, default=RESTART_GPU_HOURS)
-    sp.add_argument("--min-step-seconds", type=float, default=MIN_STEP_SECONDS,
-                    help="the shortest time a step can take: progress claimed faster than this is not believed")
-    sp.add_argument("--svg", default=None, help="also write the timeline picture here")
-    sp.set_defaults(fn=cmd_report)
+    _add_inspection_commands(sub)
+    _add_maintenance_commands(sub)
+    _add_run_commands(sub)
+    _add_promotion_commands(sub)
     return p
-
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,8 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     errors                    the one exception hierarchy
     util.redact               credentials out of messages and records
     util.terminal             storage strings made safe to print
+    util.progress             a progress bar on a terminal, silence elsewhere
+    util.prometheus           Prometheus's text format, atomic textfiles
     util.files                directory fsync, atomic replace
     defaults                  the budget and gc-grace defaults
     protocol                  records, layout, selection, gc plan (pure, no I/O)

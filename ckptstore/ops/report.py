@@ -20,14 +20,15 @@ import time
 from typing import Any
 
 from ..protocol.auth import AuthPolicy
-from ..protocol.selection import SaveState
+from ..protocol.selection import SaveInfo, SaveRef, SaveState
 from ..store import CheckpointStore
 from ..util.redact import redact_url
-from .budget import Budget, account, compare_costs
+from .budget import Accounting, Budget, account, compare_costs
 from .events import RejectedEvent, confirm_budget_stop, confirm_finished, planned_steps, validate_events
 
 
 def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: bool = True) -> dict[str, Any]:
+    """The operator record of the run (module docstring): read, validate, account, judge, present."""
     budget = budget or Budget()
     run = store.run_record
     attempts = store.attempts()
@@ -40,7 +41,55 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
     saves = store.list_saves(deep=deep)
     latest = sel.latest
     newest_attempt = max((a.number for a in attempts), default=None)
-    # verdict-bearing claims count only when the records bear them out
+    finished, budget_stops = _confirmed_verdicts(events, rejected, acc, budget, latest, newest_attempt, run)
+    final = finished[-1]["payload"] if finished else None
+    reasons, unconfirmed = _promotion_reasons(store, run, latest, final, finished, budget_stops, deep)
+    eligible = not reasons
+    status = "eligible" if eligible else "unconfirmed" if unconfirmed else "not-eligible"
+    return {
+        "run_id": store.run_id,
+        "store": redact_url(store.backend.url),
+        "identity": run["identity"],
+        "lineage": run.get("lineage"),
+        "budget": budget.to_json(),
+        "interruptions": acc.interruptions,
+        "restarts": acc.restarts,
+        "attempts": _attempts_json(acc),
+        "last_valid_checkpoint": None if latest is None else {
+            "step": latest.step, "attempt": latest.attempt, "save_id": latest.save_id,
+            "manifest_digest": latest.manifest_digest, "bytes": latest.total_bytes,
+        },
+        "skipped_newer_candidates": [s.to_json() for s in sel.skipped],
+        "discarded_checkpoints": _discarded(saves),
+        "recovered_steps": [a.resumed_from for a in acc.attempts[1:]],
+        "executed_steps": acc.executed_steps,
+        "accepted_steps": acc.accepted_steps,
+        "wasted_steps": acc.wasted_steps,
+        "wasted_gpu_hours": round(acc.wasted_gpu_hours, 4),
+        "spent_gpu_hours": round(acc.spent_gpu_hours, 4),
+        "budget_remaining_gpu_hours": round(budget.limit_gpu_hours - acc.spent_gpu_hours, 4),
+        "budget_stopped": bool(budget_stops),
+        "cost": _cost(saves, acc, budget),
+        "age_of_last_complete_recovery_point_s": _recovery_point_age(saves, latest, events),
+        "save_completion_s": [s.get("seconds") for a in acc.attempts for s in a.saves],
+        "final": final,
+        "promotion": {
+            "eligible": eligible,
+            "status": status,
+            "reasons": reasons or ["finished, final save complete and verified, linked to its manifest"],
+            "artifact_manifest_digest": latest.manifest_digest if (latest and eligible) else None,
+        },
+        "timeline": _timeline(events),
+        "rejected_events": [r.to_json() for r in rejected],
+    }
+
+
+def _confirmed_verdicts(
+    events: list[dict[str, Any]], rejected: list[RejectedEvent], acc: Accounting, budget: Budget,
+    latest: SaveRef | None, newest_attempt: int | None, run: dict[str, Any],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The ``finished`` and ``budget-exhausted`` claims the records bear out;
+    the others are appended to ``rejected`` with the reason."""
     finished: list[dict[str, Any]] = []
     budget_stops: list[dict[str, Any]] = []
     latest_key = (latest.step, latest.attempt, latest.manifest_digest) if latest else None
@@ -57,7 +106,15 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
             keep.append(e)
         else:
             rejected.append(RejectedEvent(e["event"], e["attempt"], e["at"], why))
-    final = finished[-1]["payload"] if finished else None
+    return finished, budget_stops
+
+
+def _promotion_reasons(
+    store: CheckpointStore, run: dict[str, Any], latest: SaveRef | None, final: dict[str, Any] | None,
+    finished: list[dict[str, Any]], budget_stops: list[dict[str, Any]], deep: bool,
+) -> tuple[list[str], bool]:
+    """Why the run is not eligible for promotion (empty: it is), and whether
+    the only reason is an unconfirmed finish."""
     reasons: list[str] = []
     if budget_stops and not finished:
         reasons.append("budget-stopped: training ended before its last step")
@@ -81,80 +138,59 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
         reasons.append("unconfirmed: the run's identity declares no planned_steps, so that it finished rests on a "
                        "ledger event anyone who can write the store can forge; declare planned_steps in the "
                        "identity, or read the run with auth_policy=require (signed events)")
-    eligible = not reasons
-    status = "eligible" if eligible else "unconfirmed" if unconfirmed else "not-eligible"
-    commit_times = {(i.step, i.attempt): i.created_at for i in saves if i.created_at}
-    now = time.time()
-    last_commit_at = commit_times.get((latest.step, latest.attempt)) if latest else None
-    ended_at = max((float(e["at"]) for e in events), default=now)
-    total_bytes = sum(i.bytes for i in saves)
-    storage_gb = total_bytes / 1e9
+    return reasons, unconfirmed
+
+
+def _attempts_json(acc: Accounting) -> list[dict[str, Any]]:
+    return [
+        {
+            **a.to_json(),
+            "recovered_step": a.resumed_from,
+            "time_to_first_useful_step_s": a.first_step_seconds,
+            "save_completion_s": [s.get("seconds") for s in a.saves],
+        }
+        for a in acc.attempts
+    ]
+
+
+def _discarded(saves: list[SaveInfo]) -> list[dict[str, Any]]:
+    return [
+        {"step": i.step, "attempt": i.attempt, "save_id": i.save_id, "state": i.state.value, "detail": i.detail}
+        for i in saves
+        if i.state in (SaveState.PARTIAL, SaveState.IN_PROGRESS, SaveState.CORRUPT, SaveState.SUPERSEDED)
+    ]
+
+
+def _cost(saves: list[SaveInfo], acc: Accounting, budget: Budget) -> dict[str, Any]:
+    storage_gb = sum(i.bytes for i in saves) / 1e9
     billed = acc.spent_gpu_hours
     ordinary = acc.accepted_steps * budget.gpu_hours_per_step
     costs = compare_costs(ordinary, billed, budget.ordinary_price_per_gpu_hour, budget.price_per_gpu_hour)
     storage_cost = storage_gb * budget.storage_price_per_gb_month
     transfer_cost = storage_gb * budget.transfer_price_per_gb
-    discarded = [
-        {"step": i.step, "attempt": i.attempt, "save_id": i.save_id, "state": i.state.value, "detail": i.detail}
-        for i in saves
-        if i.state in (SaveState.PARTIAL, SaveState.IN_PROGRESS, SaveState.CORRUPT, SaveState.SUPERSEDED)
-    ]
-    timeline = []
-    for e in events:
-        timeline.append({"at": e["at"], "attempt": e.get("attempt"), "event": e["event"], **{
-            k: v for k, v in e.get("payload", {}).items() if k in ("step", "seconds", "resumed_from", "save_id")}})
     return {
-        "run_id": store.run_id,
-        "store": redact_url(store.backend.url),
-        "identity": run["identity"],
-        "lineage": run.get("lineage"),
-        "budget": budget.to_json(),
-        "interruptions": acc.interruptions,
-        "restarts": acc.restarts,
-        "attempts": [
-            {
-                **a.to_json(),
-                "recovered_step": a.resumed_from,
-                "time_to_first_useful_step_s": a.first_step_seconds,
-                "save_completion_s": [s.get("seconds") for s in a.saves],
-            }
-            for a in acc.attempts
-        ],
-        "last_valid_checkpoint": None if latest is None else {
-            "step": latest.step, "attempt": latest.attempt, "save_id": latest.save_id,
-            "manifest_digest": latest.manifest_digest, "bytes": latest.total_bytes,
-        },
-        "skipped_newer_candidates": [s.to_json() for s in sel.skipped],
-        "discarded_checkpoints": discarded,
-        "recovered_steps": [a.resumed_from for a in acc.attempts[1:]],
-        "executed_steps": acc.executed_steps,
-        "accepted_steps": acc.accepted_steps,
-        "wasted_steps": acc.wasted_steps,
-        "wasted_gpu_hours": round(acc.wasted_gpu_hours, 4),
-        "spent_gpu_hours": round(acc.spent_gpu_hours, 4),
-        "budget_remaining_gpu_hours": round(budget.limit_gpu_hours - acc.spent_gpu_hours, 4),
-        "budget_stopped": bool(budget_stops),
-        "cost": {
-            "compute": round(billed * budget.price_per_gpu_hour, 4),
-            "storage_per_month": round(storage_cost, 6),
-            "transfer": round(transfer_cost, 6),
-            "total": round(billed * budget.price_per_gpu_hour + storage_cost + transfer_cost, 4),
-            "per_accepted_step": round(billed * budget.price_per_gpu_hour / acc.accepted_steps, 6)
-            if acc.accepted_steps else None,
-            "interruptible_vs_ordinary": costs.to_json(),
-        },
-        "age_of_last_complete_recovery_point_s": None if last_commit_at is None else round(ended_at - last_commit_at, 3),
-        "save_completion_s": [s.get("seconds") for a in acc.attempts for s in a.saves],
-        "final": final,
-        "promotion": {
-            "eligible": eligible,
-            "status": status,
-            "reasons": reasons or ["finished, final save complete and verified, linked to its manifest"],
-            "artifact_manifest_digest": latest.manifest_digest if (latest and eligible) else None,
-        },
-        "timeline": timeline,
-        "rejected_events": [r.to_json() for r in rejected],
+        "compute": round(billed * budget.price_per_gpu_hour, 4),
+        "storage_per_month": round(storage_cost, 6),
+        "transfer": round(transfer_cost, 6),
+        "total": round(billed * budget.price_per_gpu_hour + storage_cost + transfer_cost, 4),
+        "per_accepted_step": round(billed * budget.price_per_gpu_hour / acc.accepted_steps, 6)
+        if acc.accepted_steps else None,
+        "interruptible_vs_ordinary": costs.to_json(),
     }
+
+
+def _recovery_point_age(saves: list[SaveInfo], latest: SaveRef | None, events: list[dict[str, Any]]) -> float | None:
+    """Seconds from the newest complete save's commit to the run's last event."""
+    commit_times = {(i.step, i.attempt): i.created_at for i in saves if i.created_at}
+    last_commit_at = commit_times.get((latest.step, latest.attempt)) if latest else None
+    ended_at = max((float(e["at"]) for e in events), default=time.time())
+    return None if last_commit_at is None else round(ended_at - last_commit_at, 3)
+
+
+def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"at": e["at"], "attempt": e.get("attempt"), "event": e["event"], **{
+        k: v for k, v in e.get("payload", {}).items() if k in ("step", "seconds", "resumed_from", "save_id")}}
+        for e in events]
 
 
 def render_table(rec: dict[str, Any]) -> str:
@@ -200,60 +236,211 @@ def render_table(rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_timeline_svg(rec: dict[str, Any], width: int = 900, height: int = 360) -> str:
-    """Steps against wall time per attempt; saves, interruptions and wasted spans."""
-    prog = [e for e in rec["timeline"] if e["event"] in ("progress", "save", "start", "resume")]
-    if not prog:
-        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"><text x="10" y="20">no events</text></svg>'
-    t0 = min(e["at"] for e in rec["timeline"])
-    t1 = max(e["at"] for e in rec["timeline"]) or t0 + 1
-    smax = max([e.get("step") or 0 for e in rec["timeline"]] + [1])
-    ml, mr, mt, mb = 60, 20, 30, 40
-    W, H = width - ml - mr, height - mt - mb
+_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
 
-    def x(t: float) -> float:
-        return float(ml + (t - t0) / max(1e-9, t1 - t0) * W)
 
-    def y(s: float) -> float:
-        return mt + H - (s + 1) / (smax + 1) * H
+def nice_ticks(lo: float, hi: float, n: int = 6) -> list[float]:
+    """About ``n`` round tick values (1, 2, 2.5 or 5 times a power of ten) covering ``[lo, hi]``."""
+    import math
 
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
+    span = hi - lo
+    if span <= 0:
+        return [lo]
+    raw = span / max(1, n)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    out = []
+    v = first
+    while v <= hi + step * 1e-9:
+        out.append(round(v, 10))
+        v += step
+    return out
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.0f}" if float(v).is_integer() else f"{v:.3g}"
+
+
+def gpu_hours_curve(rec: dict[str, Any]) -> list[tuple[float, float]]:
+    """Cumulative GPU-hours against wall time, from the accepted progress events
+    (one step priced ``gpu_hours_per_step``; each restart ``restart_gpu_hours``)."""
+    b = rec["budget"]
+    starts = {a["attempt"]: a.get("resumed_from") for a in rec["attempts"]}
+    done: dict[int, int] = {}
+    out: list[tuple[float, float]] = []
+    seen_attempts: list[int] = []
+    for e in sorted(rec["timeline"], key=lambda e: e["at"]):
+        n = e.get("attempt")
+        if e["event"] != "progress" or n is None or e.get("step") is None:
+            continue
+        if n not in seen_attempts:
+            seen_attempts.append(n)
+        start = starts.get(n)
+        done[n] = max(done.get(n, 0), int(e["step"]) - (-1 if start is None else int(start)))
+        spent = sum(done.values()) * b["gpu_hours_per_step"] + max(0, len(seen_attempts) - 1) * b["restart_gpu_hours"]
+        out.append((float(e["at"]), spent))
+    return out
+
+
+def render_timeline_svg(rec: dict[str, Any], width: int = 1000, height: int = 440) -> str:
+    """The run on one picture, plain SVG (any browser shows it): steps against
+    wall time per attempt (left axis), cumulative GPU-hours and the budget line
+    (right axis) with the budget stop marked, committed saves, interruptions,
+    wasted work shaded, each restart annotated with the step it resumed from,
+    and a legend."""
+    if not [e for e in rec["timeline"] if e["event"] in ("progress", "save", "start", "resume")]:
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
+                '<text x="10" y="20">no events</text></svg>')
+    g = _Geometry(rec, width, height)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{ml}" y="18" font-size="13">{html.escape(rec["run_id"])}: steps against wall time '
-           '(lines: attempts; dots: committed saves; red ✕: interruptions; shaded: wasted work)</text>',
-           f'<line x1="{ml}" y1="{mt + H}" x2="{ml + W}" y2="{mt + H}" stroke="black"/>',
-           f'<line x1="{ml}" y1="{mt}" x2="{ml}" y2="{mt + H}" stroke="black"/>',
-           f'<text x="{ml + W / 2}" y="{height - 8}" text-anchor="middle">wall time (s), total {t1 - t0:.1f} s</text>',
-           f'<text x="14" y="{mt + H / 2}" transform="rotate(-90 14 {mt + H / 2})" text-anchor="middle">step</text>',
-           f'<text x="{ml - 6}" y="{y(smax) + 4}" text-anchor="end">{smax}</text>',
-           f'<text x="{ml - 6}" y="{mt + H}" text-anchor="end">0</text>']
+           f'<text x="{g.ml}" y="18" font-size="14" font-weight="bold">{html.escape(str(rec["run_id"]))}: '
+           'training progress, saves, restarts and budget</text>']
+    out += _axes(g)
+    out += _budget_layer(rec, g)
+    out += _attempt_layers(rec, g)
+    out += _legend(g)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+class _Geometry:
+    """The plot area and the three scales (time, steps, GPU-hours)."""
+
+    def __init__(self, rec: dict[str, Any], width: int, height: int) -> None:
+        self.width, self.height = width, height
+        self.ml, self.mr, self.mt, self.mb = 64, 230, 34, 52
+        self.W, self.H = width - self.ml - self.mr, height - self.mt - self.mb
+        times = [float(e["at"]) for e in rec["timeline"]]
+        self.t0 = min(times)
+        self.t1 = max(times) if max(times) > self.t0 else self.t0 + 1
+        self.smax = max([int(e.get("step") or 0) for e in rec["timeline"]] + [1])
+        self.curve = gpu_hours_curve(rec)
+        self.limit = float(rec["budget"]["limit_gpu_hours"])
+        self.hmax = max([self.limit] + [h for _, h in self.curve]) * 1.08
+
+    def x(self, t: float) -> float:
+        return float(self.ml + (t - self.t0) / max(1e-9, self.t1 - self.t0) * self.W)
+
+    def y(self, s: float) -> float:
+        return float(self.mt + self.H - (s + 1) / (self.smax + 1) * self.H)
+
+    def yh(self, h: float) -> float:
+        return float(self.mt + self.H - h / max(1e-9, self.hmax) * self.H)
+
+
+def _axes(g: _Geometry) -> list[str]:
+    bottom, right = g.mt + g.H, g.ml + g.W
+    out = [f'<rect x="{g.ml}" y="{g.mt}" width="{g.W}" height="{g.H}" fill="none" stroke="#888"/>']
+    for v in nice_ticks(0, g.t1 - g.t0):
+        px = g.x(g.t0 + v)
+        out.append(f'<line x1="{px:.1f}" y1="{g.mt}" x2="{px:.1f}" y2="{bottom}" stroke="#eee"/>')
+        out.append(f'<line x1="{px:.1f}" y1="{bottom}" x2="{px:.1f}" y2="{bottom + 5}" stroke="black"/>')
+        out.append(f'<text x="{px:.1f}" y="{bottom + 17}" text-anchor="middle">{_fmt(v)}</text>')
+    for v in nice_ticks(0, g.smax):
+        py = g.y(v)
+        out.append(f'<line x1="{g.ml - 5}" y1="{py:.1f}" x2="{g.ml}" y2="{py:.1f}" stroke="black"/>')
+        out.append(f'<text x="{g.ml - 8}" y="{py + 4:.1f}" text-anchor="end">{_fmt(v)}</text>')
+    for v in nice_ticks(0, g.hmax):
+        py = g.yh(v)
+        out.append(f'<line x1="{right}" y1="{py:.1f}" x2="{right + 5}" y2="{py:.1f}" stroke="#b8860b"/>')
+        out.append(f'<text x="{right + 8}" y="{py + 4:.1f}" fill="#b8860b">{_fmt(v)}</text>')
+    out.append(f'<text x="{g.ml + g.W / 2}" y="{g.height - 12}" text-anchor="middle">wall time (s since the '
+               f'first event; {g.t1 - g.t0:.1f} s in all)</text>')
+    out.append(f'<text x="16" y="{g.mt + g.H / 2}" transform="rotate(-90 16 {g.mt + g.H / 2})" '
+               'text-anchor="middle">optimizer step</text>')
+    out.append(f'<text x="{right + 44}" y="{g.mt + g.H / 2}" transform="rotate(90 {right + 44} {g.mt + g.H / 2})" '
+               'text-anchor="middle" fill="#b8860b">GPU-hours spent (cumulative)</text>')
+    return out
+
+
+def _budget_layer(rec: dict[str, Any], g: _Geometry) -> list[str]:
+    right = g.ml + g.W
+    py = g.yh(g.limit)
+    out = [f'<line x1="{g.ml}" y1="{py:.1f}" x2="{right}" y2="{py:.1f}" stroke="#d62728" stroke-dasharray="8 4" '
+           'stroke-width="1.5"/>',
+           f'<text x="{right - 4}" y="{py - 5:.1f}" text-anchor="end" fill="#d62728">budget '
+           f'{_fmt(g.limit)} GPU-h</text>']
+    if len(g.curve) > 1:
+        out.append('<polyline fill="none" stroke="#b8860b" stroke-width="1.5" stroke-dasharray="2 2" points="'
+                   + " ".join(f"{g.x(t):.1f},{g.yh(h):.1f}" for t, h in g.curve) + '"/>')
+    stops = [e for e in rec["timeline"] if e["event"] == "budget-exhausted"]
+    for i, e in enumerate(stops):
+        px = g.x(float(e["at"]))
+        out.append(f'<line x1="{px:.1f}" y1="{g.mt}" x2="{px:.1f}" y2="{g.mt + g.H}" stroke="#d62728" '
+                   'stroke-width="2"/>')
+        out.append(f'<polygon points="{px - 6:.1f},{py - 10:.1f} {px + 6:.1f},{py - 10:.1f} {px:.1f},{py:.1f}" '
+                   'fill="#d62728"/>')
+        if i == 0:
+            out.append(f'<text x="{px - 4:.1f}" y="{g.mt + 14}" text-anchor="end" fill="#d62728" '
+                       'font-weight="bold">budget stop</text>')
+    return out
+
+
+def _attempt_layers(rec: dict[str, Any], g: _Geometry) -> list[str]:
+    out: list[str] = []
     by_attempt: dict[int, list[dict[str, Any]]] = {}
     for e in rec["timeline"]:
         if e.get("attempt") is not None:
             by_attempt.setdefault(int(e["attempt"]), []).append(e)
     accts = {a["attempt"]: a for a in rec["attempts"]}
     for n, evs in sorted(by_attempt.items()):
-        col = colors[(n - 1) % len(colors)]
-        pts = [(x(e["at"]), y(e["step"])) for e in evs if e["event"] == "progress" and e.get("step") is not None]
+        col = _COLORS[(n - 1) % len(_COLORS)]
+        prog = [e for e in evs if e["event"] == "progress" and e.get("step") is not None]
+        pts = [(g.x(e["at"]), g.y(e["step"])) for e in prog]
         a = accts.get(n, {})
         if a.get("wasted_steps") and pts:
             top = a.get("last_step") or 0
             low = top - a["wasted_steps"]
-            xs = [x(e["at"]) for e in evs if e["event"] == "progress" and (e.get("step") or 0) > low]
+            xs = [g.x(e["at"]) for e in prog if (e.get("step") or 0) > low]
             if xs:
-                out.append(f'<rect x="{min(xs):.1f}" y="{y(top):.1f}" width="{max(2.0, max(xs) - min(xs)):.1f}" '
-                           f'height="{y(low) - y(top):.1f}" fill="#d62728" opacity="0.15"/>')
+                out.append(f'<rect x="{min(xs):.1f}" y="{g.y(top):.1f}" width="{max(2.0, max(xs) - min(xs)):.1f}" '
+                           f'height="{g.y(low) - g.y(top):.1f}" fill="#d62728" opacity="0.15"/>')
+        if n > 1:
+            t_start = min(float(e["at"]) for e in evs)
+            px = g.x(t_start)
+            frm = a.get("resumed_from")
+            out.append(f'<line x1="{px:.1f}" y1="{g.mt}" x2="{px:.1f}" y2="{g.mt + g.H}" stroke="{col}" '
+                       'stroke-dasharray="3 3"/>')
+            label = f"restart #{n - 1}: from step {frm}" if frm is not None else f"restart #{n - 1}: from scratch"
+            ly = g.mt + 28 + ((n - 2) % 4) * 13
+            out.append(f'<text x="{px + 3:.1f}" y="{ly}" fill="{col}">{html.escape(label)}</text>')
+            if frm is not None:
+                out.append(f'<circle cx="{px:.1f}" cy="{g.y(int(frm)):.1f}" r="5" fill="none" stroke="{col}" '
+                           'stroke-width="2"/>')
         if len(pts) > 1:
             out.append(f'<polyline fill="none" stroke="{col}" stroke-width="2" points="'
                        + " ".join(f"{px:.1f},{py:.1f}" for px, py in pts) + '"/>')
         for e in evs:
             if e["event"] == "save" and e.get("step") is not None:
-                out.append(f'<circle cx="{x(e["at"]):.1f}" cy="{y(e["step"]):.1f}" r="4" fill="{col}"/>')
+                out.append(f'<circle cx="{g.x(e["at"]):.1f}" cy="{g.y(e["step"]):.1f}" r="3.5" fill="{col}"/>')
         if pts and a.get("ended") in ("interrupted", "preempted"):
             px, py = pts[-1]
-            out.append(f'<text x="{px:.1f}" y="{py + 4:.1f}" fill="#d62728" font-size="16" text-anchor="middle">✕</text>')
+            out.append(f'<text x="{px:.1f}" y="{py + 5:.1f}" fill="#d62728" font-size="16" text-anchor="middle">✕</text>')
         if pts:
             out.append(f'<text x="{pts[0][0] + 3:.1f}" y="{pts[0][1] - 6:.1f}" fill="{col}">#{n}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
+
+
+def _legend(g: _Geometry) -> list[str]:
+    x0, y0 = g.ml + g.W + 62, g.mt + 4
+    items = [
+        ('<line x1="0" y1="0" x2="18" y2="0" stroke="#1f77b4" stroke-width="2"/>', "attempt #n: steps done"),
+        ('<circle cx="9" cy="0" r="3.5" fill="#1f77b4"/>', "committed save"),
+        ('<text x="9" y="5" fill="#d62728" font-size="16" text-anchor="middle">✕</text>', "interrupted"),
+        ('<rect x="0" y="-5" width="18" height="10" fill="#d62728" opacity="0.15"/>', "wasted (done again)"),
+        ('<circle cx="9" cy="0" r="5" fill="none" stroke="#ff7f0e" stroke-width="2"/>', "recovery point"),
+        ('<line x1="9" y1="-6" x2="9" y2="6" stroke="#ff7f0e" stroke-dasharray="3 3"/>', "restart"),
+        ('<line x1="0" y1="0" x2="18" y2="0" stroke="#b8860b" stroke-dasharray="2 2"/>', "GPU-hours spent"),
+        ('<line x1="0" y1="0" x2="18" y2="0" stroke="#d62728" stroke-dasharray="8 4"/>', "budget"),
+        ('<line x1="9" y1="-6" x2="9" y2="6" stroke="#d62728" stroke-width="2"/>', "budget stop"),
+    ]
+    out = [f'<g transform="translate({x0},{y0})">',
+           f'<rect x="-6" y="-6" width="160" height="{len(items) * 16 + 8}" fill="white" stroke="#ccc"/>']
+    for i, (mark, text) in enumerate(items):
+        out.append(f'<g transform="translate(0,{i * 16 + 6})">{mark}<text x="24" y="4" font-size="10">'
+                   f'{html.escape(text)}</text></g>')
+    out.append("</g>")
+    return out

@@ -29,7 +29,7 @@ import blake3
 
 from ..errors import InvalidInputError
 
-KINDS = ("run", "attempt", "commit", "event")
+KINDS = ("run", "attempt", "commit", "event", "artifact")  # artifact: a promoted model's provenance.json
 DERIVE_CONTEXT = "ckptstore 2026-11 run key v1"
 _KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")

@@ -76,6 +76,7 @@ from .loaders import (
     live_iterator_problem,
     plain_loader_problem,
 )
+from .metrics import CheckpointerMetrics, save_event, wasted_since
 from .restore import (
     ConfigDiff,
     apply_state,
@@ -132,6 +133,7 @@ class Checkpointer:
         on_config_change: ConfigChoice = "keep-saved",
         streams: CopyStreams | None = None,
         max_inflight: int = 1,
+        metrics_path: str | None = None,
     ) -> None:
         if store.mode != "w":
             raise InvalidInputError("Checkpointer needs a store opened for writing (with an identity)")
@@ -146,7 +148,11 @@ class Checkpointer:
             raise InvalidInputError("max_inflight must be a positive integer")
         if not 0 <= preempt_exit_code <= 255:
             raise InvalidInputError("preempt_exit_code must be an exit status (0..255)")
+        if metrics_path is not None and not str(metrics_path).endswith(".prom"):
+            raise InvalidInputError("metrics_path must end in .prom (node_exporter's textfile collector reads only those)")
         self.store = store
+        #: Prometheus metrics (:mod:`.metrics`), written to ``metrics_path`` when given; None when off
+        self.metrics = CheckpointerMetrics(metrics_path, store.run_id) if metrics_path is not None else None
         self.objects = dict(objects)
         self._validate_objects()
         self.keep_last = keep_last
@@ -240,6 +246,7 @@ class Checkpointer:
         loading anything; see the module docstring for ``on_config_change``."""
         ref = self.store.resumed_from
         if ref is None:
+            self._metrics_resumed(None, None)
             if self.record_events:
                 self.store.record_event("start", {"resumed_from": None})
             return 0
@@ -249,7 +256,9 @@ class Checkpointer:
             if problem:
                 raise InvalidInputError(problem)
         # checked before anything is loaded (on many ranks: on every rank, one outcome for all)
+        first_choice = ref
         saved, ref = read_with_fallback(self.store, ref, lambda st, r: check_fit(self.objects, st, r), self.objects)
+        self._metrics_resumed(ref, first_choice)
         diffs = config_diffs(self.objects, saved.trees)
         if diffs and choice == "refuse":
             raise CheckpointMismatchError(summarize(
@@ -285,6 +294,20 @@ class Checkpointer:
         if self.record_events:
             self.store.record_event("resume", {"resumed_from": ref.step, "save_id": ref.save_id})
         return ref.step + 1
+
+    def _metrics_resumed(self, ref: SaveRef | None, first_choice: SaveRef | None) -> None:
+        if self.metrics is None:
+            return
+        attempt = self.store.attempt.number if self.store.attempt is not None else 1
+        events = self.store.events()
+        self.metrics.resumed(
+            restarts=max(0, attempt - 1),
+            wasted_steps=wasted_since(events, attempt, None if ref is None else ref.step),
+            fell_back=ref is not None and first_choice is not None and ref.save_id != first_choice.save_id,
+            step=None if ref is None else ref.step,
+            committed_at=None if ref is None else ref.record.created_at,
+            last_save=None if ref is None else save_event(events, ref.save_id),
+        )
 
     def _arm_loaders(self, saved: SavedState, restore_rng_state: bool) -> None:
         global_rng = torch.get_rng_state() if restore_rng_state else None
@@ -367,8 +390,15 @@ class Checkpointer:
     def _write(
         self, step: int, snap: Any, md: dict[str, Any], t0: float, in_order: Callable[[], None] | None = None
     ) -> SaveRef:
-        ref = write_snapshot(self.store, step, snap, metadata=md, before_publish=in_order)
+        try:
+            ref = write_snapshot(self.store, step, snap, metadata=md, before_publish=in_order)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.failed()
+            raise
         took = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.saved(step, took, ref.total_bytes)
         self._last_save_time = time.monotonic()
         self._last_saved_step = step
         info = {"step": step, "seconds": round(took, 4), "bytes": ref.total_bytes, "save_id": ref.save_id}
@@ -397,6 +427,8 @@ class Checkpointer:
     def step_end(self, step: int, **save_kw: Any) -> bool:
         """Call after each optimizer step. Saves when due; on preemption saves
         synchronously and exits (or returns True). Returns False otherwise."""
+        if self.metrics is not None:
+            self.metrics.step_done()
         self._raise_background()
         if self._agreed_preemption():
             self.wait()

@@ -106,6 +106,12 @@ def test_the_drill_end_to_end(tmp_path, capsys) -> None:  # type: ignore[no-unty
     assert rec["drill"]["bit_identical_to_clean"]
     assert rec["drill"]["budget_breach"]["budget_stopped"] and not rec["drill"]["budget_breach"]["promotion"]["eligible"]
     assert rec["drill"]["perturbed_earliest_changed_stage"].startswith("batch-order")
+    # the last stage: the recovered run promoted and verified, the budget-stopped run's promotion refused
+    assert rec["drill"]["promotion"]["verified"] and (out / "artifact-receipts" / "provenance.json").exists()
+    refused = rec["drill"]["budget_breach"]["promotion_refused"]
+    assert refused["refused"] and any(r.startswith("budget-stopped") for r in refused["reasons"])
+    assert main(["verify-artifact", str(out / "artifact-receipts"), "--store", str(tmp_path / "store")]) == 0
+    capsys.readouterr()
     # the record's numbers agree with the store: a fresh report rebuilds the same facts
     assert main(["report", str(tmp_path / "store"), "receipts", "--json"]) == 0
     again = json.loads(capsys.readouterr().out)

@@ -18,6 +18,10 @@
    tolerance declared up front, final digest), and replay evidence: per-stage
    digests that name the earliest changed stage of a deliberately perturbed run.
 8. The operator record, rebuilt by a fresh read of the store: table, JSON, SVG.
+9. Promotion: the recovered run is promoted (weights-only safetensors and
+   ``provenance.json``) and the artifact verified against the store, its
+   tensors equal to the final save's model; the budget-stopped run's
+   promotion is refused, with its reasons in the record.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from typing import Any
 
 from ...defaults import BUDGET_GPU_HOURS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
 from ...store import CheckpointStore
+from ...util.progress import Progress, progress
 from ...util.redact import redact_text, redact_url
 from ...util.terminal import escape_lines, sanitize
 from ..budget import Budget, account, young_daly_interval
 from ..events import validate_events
+from ..promote import promote, promotion_check
 from ..report import build_record, render_table, render_timeline_svg
 from .proc import ProcResult, run_trainer, trainer_cmd
 
@@ -61,7 +67,9 @@ class DrillConfig:
 class Drill:
     def __init__(self, cfg: DrillConfig, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
-        self.log = log or _terminal_log
+        self._log = log or _terminal_log
+        self.log = self._log_around_bar
+        self.bar: Progress | None = None
         self.url = cfg.store or tempfile.mkdtemp(prefix="ckptstore-drill-")
         self.out = Path(cfg.out_dir)
         self.checks: list[tuple[str, bool, str]] = []
@@ -92,6 +100,15 @@ class Drill:
 
     def stage(self, title: str) -> None:
         self.log(f"\n[{time.monotonic() - self.t0:6.1f}s] {title}")
+        if self.bar is not None:
+            self.bar.advance(1, label=f"drill: {title.split(':')[0][:30]}")
+
+    def _log_around_bar(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.clear()
+        self._log(text)
+        if self.bar is not None and self.bar.enabled:
+            self.bar.advance(0)
 
     def reader(self, run_id: str) -> CheckpointStore:
         return CheckpointStore.open(self.url, run_id, mode="r", storage_options=self.cfg.storage_options or None)
@@ -307,8 +324,62 @@ class Drill:
                  f"interrupted run {rec['spent_gpu_hours']:.2f} GPU-h")
         return rec
 
+    def promotion(self, rec: dict[str, Any]) -> None:
+        self.stage("9. promotion: the recovered run to a serving artifact; the budget-stopped run refused")
+        import shutil
+
+        import torch
+        from safetensors.torch import load_file
+
+        from ...torch import read_state
+        from ..artifact import PROVENANCE
+        from ..artifact_check import verify_artifact
+
+        dest = self.out / "artifact-receipts"
+        if (dest / PROVENANCE).exists():
+            shutil.rmtree(dest)  # a previous drill's artifact in the drill's own output folder
+        store = self.reader("receipts")
+        result = promote(store, str(dest), budget=self.budget)
+        self.check("the recovered run was promoted and its artifact verifies against the store", result.verified.ok,
+                   f"{len(result.files)} weight file(s) + provenance.json at {dest}")
+        saved = read_state(store, result.ref)["model"]
+        loaded = load_file(str(dest / "model.safetensors")) if (dest / "model.safetensors").exists() else {}
+        same = set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
+        self.check("safetensors loads exactly the final save's model tensors", same, f"{len(loaded)} tensors")
+        tampered = self.out / "artifact-tampered"
+        if tampered.exists():
+            shutil.rmtree(tampered)
+        shutil.copytree(dest, tampered)
+        with open(tampered / "model.safetensors", "r+b") as f:
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 1]))
+        bad = verify_artifact(str(tampered))
+        shutil.rmtree(tampered)
+        self.check("a tampered artifact is refused", not bad.ok, "; ".join(bad.problems)[:160])
+        limit = self.budget_record["budget"]["limit_gpu_hours"]
+        refused = promotion_check(self.reader("receipts-budget"),
+                                  budget=Budget(limit, self.cfg.gpu_hours_per_step, self.cfg.restart_gpu_hours))
+        self.check("the budget-stopped run's promotion is refused", not refused.promotable,
+                   "; ".join(refused.reasons)[:200])
+        rec["drill"]["promotion"] = {"artifact": str(dest), **result.to_json()}
+        rec["drill"]["budget_breach"]["promotion_refused"] = {"refused": not refused.promotable,
+                                                               "reasons": refused.reasons}
+        self.budget_record["promotion_attempt"] = rec["drill"]["budget_breach"]["promotion_refused"]
+        (self.out / "record.json").write_text(json.dumps(rec, indent=2, sort_keys=True, default=str))
+        (self.out / "budget-record.json").write_text(json.dumps(self.budget_record, indent=2, sort_keys=True))
+
     def run_all(self) -> int:
         self.out.mkdir(parents=True, exist_ok=True)
+        with progress("drill", 9, use_rich=False) as bar:
+            self.bar = bar
+            try:
+                return self._run_stages()
+            finally:
+                self.bar = None
+
+    def _run_stages(self) -> int:
         self.envelope()
         self.pilot()
         self.clean()
@@ -317,6 +388,7 @@ class Drill:
         self.budget_breach()
         self.verify()
         rec = self.report()
+        self.promotion(rec)
         failed = [n for n, ok, _ in self.checks if not ok]
         self.log(f"\ndrill {'PASSED' if not failed else 'FAILED'}: {len(self.checks) - len(failed)}/"
                  f"{len(self.checks)} checks in {time.monotonic() - self.t0:.0f} s; "

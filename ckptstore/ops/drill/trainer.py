@@ -210,11 +210,39 @@ def train(
     progress_every: int = 1,
     slow_mid_component: float = 0.0,
 ) -> dict[str, Any]:
+    """One attempt of the drill's training job: admit, resume, train to the end
+    (or the budget), save the final state, record the result."""
     setup_determinism(cfg.seed)
     snap = make_snapshot(cfg.n_samples, seed=cfg.data_seed, contract=contract_override or cfg.contract)
     objs = build(snap, cfg)
     ident = identity_for(snap, cfg)
     budget = budget or Budget()
+    spent_before = _admit(url, run_id, ident, budget, storage_options)
+    backend = _backend(url, storage_options, slow_commit, slow_after_component, slow_mid_component)
+    store = CheckpointStore.open(backend, run_id, identity=ident, storage_options=storage_options)
+    model, opt, sched = objs["model"], objs["optimizer"], objs["scheduler"]
+    replay = ReplayLog()
+    ckpt = Checkpointer(
+        store,
+        {"model": model, "optimizer": opt, "scheduler": sched, "sampler": objs["sampler"], "replay": replay},
+        every_steps=cfg.save_every,
+        async_save=cfg.async_save,
+        metadata=lambda step: {"lr": sched.get_last_lr()[0], "batch_order": replay.digest},
+    )
+    start = ckpt.resume()
+    say("FRESH" if start == 0 else f"RESUMED {start - 1}")
+    log = open(sample_log, "a") if sample_log else None  # noqa: SIM115
+    loop = _Loop(store, ckpt, objs, replay, log, cfg, budget, spent_before, step_sleep, progress_every)
+    for step in range(start, cfg.steps):
+        loop.step(step, start)
+    ckpt.finish(cfg.steps - 1)  # the final artifact is always a complete save
+    loop.announce_commits()
+    return _finish(store, model, opt, snap, cfg, start, loop.first_step_seconds, result_path)
+
+
+def _admit(url: str, run_id: str, ident: RunIdentity, budget: Budget, storage_options: dict[str, Any] | None) -> float:
+    """The resume decision before anything is registered: a spent budget stops
+    (recorded), a changed identity is refused. Returns the GPU-hours spent before."""
     spent_before = spent_so_far(url, run_id, budget, storage_options)
     decision = plan_resume(url, run_id, ident, spent=spent_before, limit=budget.limit_gpu_hours,
                            storage_options=storage_options)
@@ -230,78 +258,97 @@ def train(
     if decision.action is Action.NEW_RUN_REQUIRED:
         say(f"REFUSED new-run-required: identity changed ({', '.join(decision.mismatched_fields)})")
         raise CkptStoreError(f"identity changed: {decision.mismatched_fields}")
-    backend: Any = url
-    if slow_commit or slow_after_component or slow_mid_component:
-        from ...backends.faults import FaultyBackend
-        from ...backends.schemes import backend_from_url
+    return spent_before
 
-        fb = FaultyBackend(backend_from_url(url, storage_options=storage_options))
-        if slow_commit:
-            fb.slow(None, slow_commit, when=lambda op, key: op == "create" and "/commits/" in key)
-        if slow_after_component:
-            fb.slow(None, slow_after_component, when=lambda op, key: op == "put" and key.endswith("state.json"))
-        if slow_mid_component:
-            fb.slow_stream(slow_mid_component, when=lambda op, key: op == "put" and key.endswith("optimizer.safetensors"))
-        backend = fb
-    store = CheckpointStore.open(backend, run_id, identity=ident, storage_options=storage_options)
-    model, opt, sched = objs["model"], objs["optimizer"], objs["scheduler"]
-    replay = ReplayLog()
-    ckpt = Checkpointer(
-        store,
-        {"model": model, "optimizer": opt, "scheduler": sched, "sampler": objs["sampler"], "replay": replay},
-        every_steps=cfg.save_every,
-        async_save=cfg.async_save,
-        metadata=lambda step: {"lr": sched.get_last_lr()[0], "batch_order": replay.digest},
-    )
-    executed = 0
-    start = ckpt.resume()
-    say("FRESH" if start == 0 else f"RESUMED {start - 1}")
-    log = open(sample_log, "a") if sample_log else None  # noqa: SIM115
-    batches = _batches(objs["loader"])
-    crit = torch.nn.CrossEntropyLoss()
-    seen_commits = len(ckpt.saves)
-    first_step_seconds = None
-    for step in range(start, cfg.steps):
-        if spent_before + (executed + 1) * budget.gpu_hours_per_step > budget.limit_gpu_hours + 1e-9:
-            ckpt.close()
-            spent = spent_before + executed * budget.gpu_hours_per_step
-            store.record_event("budget-exhausted", {"step": step - 1, "spent_gpu_hours": spent,
-                                                    "limit_gpu_hours": budget.limit_gpu_hours})
-            say(f"STOPPED budget-exhausted at step {step - 1}: spent {spent:.2f} of {budget.limit_gpu_hours:.2f} GPU-h")
+
+def _backend(url: str, storage_options: dict[str, Any] | None, slow_commit: float, slow_after_component: float,
+             slow_mid_component: float) -> Any:
+    """The store URL, or a fault-injecting backend for the drill's kill points."""
+    if not (slow_commit or slow_after_component or slow_mid_component):
+        return url
+    from ...backends.faults import FaultyBackend
+    from ...backends.schemes import backend_from_url
+
+    fb = FaultyBackend(backend_from_url(url, storage_options=storage_options))
+    if slow_commit:
+        fb.slow(None, slow_commit, when=lambda op, key: op == "create" and "/commits/" in key)
+    if slow_after_component:
+        fb.slow(None, slow_after_component, when=lambda op, key: op == "put" and key.endswith("state.json"))
+    if slow_mid_component:
+        fb.slow_stream(slow_mid_component, when=lambda op, key: op == "put" and key.endswith("optimizer.safetensors"))
+    return fb
+
+
+class _Loop:
+    """The training loop's state between steps: one optimizer step at a time."""
+
+    def __init__(self, store: CheckpointStore, ckpt: Checkpointer, objs: dict[str, Any], replay: ReplayLog,
+                 log: Any, cfg: TrainConfig, budget: Budget, spent_before: float, step_sleep: float,
+                 progress_every: int) -> None:
+        self.store, self.ckpt, self.objs, self.replay, self.log = store, ckpt, objs, replay, log
+        self.cfg, self.budget, self.spent_before = cfg, budget, spent_before
+        self.step_sleep, self.progress_every = step_sleep, progress_every
+        self.batches = _batches(objs["loader"])
+        self.crit = torch.nn.CrossEntropyLoss()
+        self.executed = 0
+        self.seen_commits = len(ckpt.saves)
+        self.first_step_seconds: float | None = None
+
+    def stop_if_over_budget(self, step: int) -> None:
+        b = self.budget
+        if self.spent_before + (self.executed + 1) * b.gpu_hours_per_step > b.limit_gpu_hours + 1e-9:
+            self.ckpt.close()
+            spent = self.spent_before + self.executed * b.gpu_hours_per_step
+            self.store.record_event("budget-exhausted", {"step": step - 1, "spent_gpu_hours": spent,
+                                                         "limit_gpu_hours": b.limit_gpu_hours})
+            say(f"STOPPED budget-exhausted at step {step - 1}: spent {spent:.2f} of {b.limit_gpu_hours:.2f} GPU-h")
             raise BudgetStop("budget-exhausted")
+
+    def optimizer_step(self, step: int) -> None:
+        model, opt, sched = self.objs["model"], self.objs["optimizer"], self.objs["scheduler"]
         opt.zero_grad(set_to_none=True)
-        for micro in range(cfg.accum):
-            x, y, ids = next(batches)
-            replay.add(ids)
-            if log:
-                log.write(f"{step} {micro} {','.join(map(str, ids.tolist()))}\n")
-            loss = crit(model(x), y) / cfg.accum
+        for micro in range(self.cfg.accum):
+            x, y, ids = next(self.batches)
+            self.replay.add(ids)
+            if self.log:
+                self.log.write(f"{step} {micro} {','.join(map(str, ids.tolist()))}\n")
+            loss = self.crit(model(x), y) / self.cfg.accum
             loss.backward()
         opt.step()
         sched.step()
-        if log:
-            log.flush()
-        if step_sleep:
-            time.sleep(step_sleep)
-        executed += 1
-        if first_step_seconds is None:
-            first_step_seconds = time.monotonic() - _T0
-            store.record_event("first-step", {"step": step, "seconds": round(first_step_seconds, 4)})
-        if progress_every and (step + 1 - start) % progress_every == 0:
-            store.record_event("progress", {"step": step})
+        if self.log:
+            self.log.flush()
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        self.executed += 1
+
+    def record_progress(self, step: int, start: int) -> None:
+        if self.first_step_seconds is None:
+            self.first_step_seconds = time.monotonic() - _T0
+            self.store.record_event("first-step", {"step": step, "seconds": round(self.first_step_seconds, 4)})
+        if self.progress_every and (step + 1 - start) % self.progress_every == 0:
+            self.store.record_event("progress", {"step": step})
         say(f"STEP {step}")
-        if ckpt.due(step) and not ckpt.preempted:
-            say(f"SAVE-BEGIN {step}")
-        ckpt.step_end(step)
-        while seen_commits < len(ckpt.saves):
-            s = ckpt.saves[seen_commits]
+
+    def announce_commits(self) -> None:
+        while self.seen_commits < len(self.ckpt.saves):
+            s = self.ckpt.saves[self.seen_commits]
             say(f"COMMITTED {s['step']} {s['seconds']}")
-            seen_commits += 1
-    ckpt.finish(cfg.steps - 1)  # the final artifact is always a complete save
-    while seen_commits < len(ckpt.saves):
-        s = ckpt.saves[seen_commits]
-        say(f"COMMITTED {s['step']} {s['seconds']}")
-        seen_commits += 1
+            self.seen_commits += 1
+
+    def step(self, step: int, start: int) -> None:
+        self.stop_if_over_budget(step)
+        self.optimizer_step(step)
+        self.record_progress(step, start)
+        if self.ckpt.due(step) and not self.ckpt.preempted:
+            say(f"SAVE-BEGIN {step}")
+        self.ckpt.step_end(step)
+        self.announce_commits()
+
+
+def _finish(store: CheckpointStore, model: torch.nn.Module, opt: torch.optim.Optimizer, snap: Snapshot,
+            cfg: TrainConfig, start: int, first_step_seconds: float | None, result_path: str | None) -> dict[str, Any]:
+    """The result: final digest, evaluation, the final save's IDs; recorded as ``finished``."""
     digest = state_digest(model, opt)
     result = {
         "final_digest": digest,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptstore import CheckpointStore, CorruptionError
-from ckptstore.cli.main import main
+from ckptstore.cli.commands import main
 from ckptstore.errors import PromotionRefusedError
 from ckptstore.ops.artifact import (
     INDEX,

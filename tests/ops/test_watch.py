@@ -15,7 +15,7 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.cli.main import main
+from ckptstore.cli.commands import main
 from ckptstore.errors import InvalidInputError
 from ckptstore.ops.budget import Budget
 from ckptstore.ops.report import build_record, nice_ticks, render_timeline_svg

@@ -14,443 +14,39 @@ the values of ``-o`` storage options are never printed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..defaults import BUDGET_GPU_HOURS, DEFAULT_GRACE_SECONDS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
-from ..errors import CkptStoreError, ExtraRequiredError
-from ..ops.budget import MIN_STEP_SECONDS
-from ..store import CheckpointStore, SaveRef
-from ..util.redact import redact_text
-from ..util.terminal import sanitize
-from .output import OneLineParser, emit, esc, parse_options, run_guarded
-
-_parse_options = parse_options
-_emit = emit
-
-
-def _human_bytes(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{n} B"
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines)
-
-
-def _open(args: argparse.Namespace, *, default_policy: str = "off") -> CheckpointStore:
-    from ..core.record_auth import load_keyring
-
-    key_file = getattr(args, "auth_key_file", None)
-    policy = getattr(args, "auth_policy", None) or ("warn" if key_file and default_policy == "off" else default_policy)
-    keyring = load_keyring(key_file=key_file) if policy != "off" else None
-    return CheckpointStore.open(
-        args.url, args.run, mode="r", storage_options=_parse_options(getattr(args, "storage_option", None)),
-        auth_policy=policy, keyring=keyring,
-    )
-
-
-def cmd_sign(args: argparse.Namespace) -> int:
-    store = _open(args, default_policy="warn")
-    rep = store.sign()
-    obj = {"signed": rep.signed, "already": rep.already, "refused": rep.refused}
-    lines = [f"signed {len(rep.signed)} record(s), {len(rep.already)} already authenticated"]
-    lines += [f"  not signed: {esc(k)}: {esc(why)}" for k, why in sorted(rep.refused.items())]
-    _emit(args, obj, "\n".join(lines))
-    return 0
-
-
-def cmd_ls(args: argparse.Namespace) -> int:
-    store = _open(args)
-    infos = store.list_saves(deep=args.deep, grace_seconds=args.grace)
-    rows = [
-        [
-            "*" if i.selected else "",
-            str(i.step),
-            str(i.attempt),
-            i.state.value,
-            _human_bytes(i.bytes),
-            str(i.components),
-            esc(i.save_id),
-            esc(i.detail),
-        ]
-        for i in infos
-    ]
-    text = _table(rows, ["", "step", "attempt", "state", "size", "parts", "save_id", "detail"]) if rows else "no saves"
-    young, stale = store.leftovers(grace_seconds=args.grace)
-    if young or stale:
-        text += (
-            f"\nleft behind by killed writers (temporary files, unfinished uploads): {len(stale)} older than the "
-            f"grace period ({args.grace:.0f}s; `gc --apply` removes them), {len(young)} younger (may still be in flight)"
-        )
-    _emit(args, [i.to_json() for i in infos], text)
-    return 0
-
-
-def cmd_latest(args: argparse.Namespace) -> int:
-    store = _open(args)
-    sel = store.latest_complete(deep=args.deep, explain=True)
-    obj = {
-        "latest": sel.latest.to_json(detail=True) if sel.latest else None,
-        "check": "deep" if args.deep else "size",
-        "skipped": [s.to_json() for s in sel.skipped],
-        "more_skipped": sel.more_skipped,
-        "notes": list(sel.notes),
-    }
-    lines = [
-        "checked: every byte re-hashed (deep)" if args.deep
-        else "checked: records and component sizes only (`--deep` re-hashes every byte, as a resume does)"
-    ]
-    if sel.latest:
-        lines.append(
-            f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {esc(sel.latest.save_id)}, "
-            f"{_human_bytes(sel.latest.total_bytes)})"
-        )
-    else:
-        lines.append("no complete save")
-    for s in sel.skipped:
-        lines.append(f"  skipped step {s.step} attempt {s.attempt}: {s.reason.value}: {esc(s.detail)}")
-    if sel.more_skipped:
-        lines.append(f"  ... and {sel.more_skipped} older skipped candidate(s)")
-    lines += [f"note: {esc(n)}" for n in sel.notes]
-    _emit(args, obj, "\n".join(lines))
-    return 0 if sel.latest else 1
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    store = _open(args)
-    if args.step is None:
-        ref = store.latest_complete(deep=False)
-        if ref is None:
-            _emit(args, {"ok": False, "error": "no complete save"}, "no complete save to verify")
-            return 1
-    else:
-        ref = store.get_save(args.step, args.attempt)
-    t0 = time.monotonic()
-    rep = _verify_with_progress(store, ref, deep=not args.shallow, quiet=args.json)
-    took = time.monotonic() - t0
-    obj = {
-        "ok": rep.ok,
-        "step": ref.step,
-        "attempt": ref.attempt,
-        "save_id": ref.save_id,
-        "deep": rep.deep,
-        "seconds": round(took, 3),
-        "problems": [{"reason": r.value, "detail": d} for r, d in rep.problems],
-    }
-    if rep.ok:
-        text = (
-            f"OK: step {ref.step} (save {esc(ref.save_id)}): {len(ref.components)} component(s), "
-            f"{_human_bytes(ref.total_bytes)} {'re-hashed' if rep.deep else 'sizes checked'} in {took:.2f}s"
-        )
-    else:
-        text = f"CORRUPT: step {ref.step} (save {esc(ref.save_id)}):\n" + "\n".join(
-            f"  {r.value}: {esc(d)}" for r, d in rep.problems
-        )
-    _emit(args, obj, text)
-    return 0 if rep.ok else 1
-
-
-def _verify_with_progress(store: CheckpointStore, ref: SaveRef, *, deep: bool, quiet: bool) -> Any:
-    """``store.verify``; on a terminal a deep check streams each component
-    (verified as read) under a progress bar first, then checks the record."""
-    from ..errors import CorruptionError
-    from ..util.progress import progress
-
-    with progress(f"verify step {ref.step}", ref.total_bytes, quiet=quiet) as bar:
-        if not (deep and bar.enabled):
-            return store.verify(ref, deep=deep)
-        try:
-            for name in sorted(ref.components):
-                for chunk in store.iter_read(ref, name):
-                    bar.advance(len(chunk))
-        except CorruptionError:
-            return store.verify(ref, deep=True)  # the authoritative report names every problem
-        return store.verify(ref, deep=False)
-
-
-def cmd_gc(args: argparse.Namespace) -> int:
-    from ..util.progress import progress
-
-    store = _open(args)
-    with progress("gc --apply: deleting", 0, quiet=args.json or not args.apply):
-        rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply,
-                       deep=not args.shallow)
-    obj = {
-        "dry_run": rep.dry_run,
-        "refused": rep.refused,
-        "kept": rep.kept,
-        "deleted_saves": [{"save_id": s, "reason": r} for s, r in rep.deleted_saves],
-        "deleted_objects": [a.key for a in rep.actions],
-        "temporaries": rep.temporaries,
-    }
-    verb = "would delete" if rep.dry_run else "deleted"
-    lines = [(f"{verb} {len(rep.deleted_saves)} save(s), {len(rep.actions)} object(s), "
-              f"{len(rep.temporaries)} stray temporary file(s); kept {len(rep.kept)}")]
-    lines += [f"  {esc(s)}: {esc(r)}" for s, r in rep.deleted_saves]
-    obj["ignored"] = rep.ignored
-    if rep.ignored:
-        lines.append(f"left alone {len(rep.ignored)} key(s) under saves/ that are not ckptstore's (inspect; remove by hand):")
-        lines += [f"  {esc(k)}" for k in rep.ignored[:20]]
-        if len(rep.ignored) > 20:
-            lines.append(f"  ... and {len(rep.ignored) - 20} more")
-    if rep.dry_run and rep.actions:
-        lines.append("dry run: pass --apply to delete")
-    if rep.refused is not None:
-        # a refusal is a failed gc, never a silent success: the reason on stdout (and --json), exit 1
-        lines = [f"gc refused: deleted nothing: {esc(rep.refused)}"]
-    _emit(args, obj, "\n".join(lines))
-    return 1 if rep.refused is not None else 0
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    store = _open(args)
-    run = store.run_record
-    attempts = store.attempts()
-    if args.step is not None:
-        ref: SaveRef | None = store.get_save(args.step, args.attempt)
-    else:
-        ref = store.latest_complete()
-    obj = {
-        "run_id": store.run_id,
-        "url": redact_text(store.backend.url),
-        "identity": run["identity"],
-        "identity_digest": store.identity_digest,
-        "lineage": run.get("lineage"),
-        "created_at": run.get("created_at"),
-        "attempts": [a.to_record() for a in attempts],
-        "save": ref.to_json(detail=True) if ref else None,
-    }
-    lines = [f"run {esc(store.run_id)} at {esc(redact_text(store.backend.url))}", "identity:"]
-    lines += [f"  {esc(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(run["identity"].items())]
-    if run.get("lineage"):
-        lines.append(f"lineage: {json.dumps(run['lineage'], sort_keys=True)}")
-    lines.append(f"attempts: {len(attempts)}")
-    for a in attempts:
-        start = "scratch" if a.resumed_from is None else f"step {a.resumed_from}"
-        lines.append(f"  #{a.number} resumed from {start} on {esc(a.host or '?')}")
-    if ref:
-        lines.append(f"save step {ref.step} attempt {ref.attempt} ({esc(ref.save_id)}), "
-                     f"manifest {esc(ref.manifest_digest[:16])}…")
-        rows = [[esc(n), _human_bytes(c.size), esc(c.blake3[:16]) + "…"] for n, c in sorted(ref.components.items())]
-        lines.append(_table(rows, ["component", "size", "blake3"]))
-    else:
-        lines.append("no complete save")
-    _emit(args, obj, "\n".join(lines))
-    return 0
-
-
-def _require(what: str, extra: str, *modules: str) -> None:
-    """One line naming the extra to install, instead of a traceback."""
-    import importlib.util
-
-    for m in modules:
-        if importlib.util.find_spec(m) is None:
-            raise ExtraRequiredError(what, extra, m)
-
-
-def cmd_drill(args: argparse.Namespace) -> int:
-    _require("the recovery drill", "runs", "numpy", "torch", "safetensors")
-    from ..ops.drill.drill import DrillConfig, run_drill
-
-    cfg = DrillConfig(
-        store=args.store,
-        out_dir=args.out,
-        steps=args.steps,
-        budget_gpu_hours=args.budget_gpu_hours,
-        gpu_hours_per_step=args.gpu_hours_per_step,
-        mtbi_steps=args.mtbi_steps,
-        verbose=args.verbose,
-        storage_options=_parse_options(args.storage_option),
-    )
-    return run_drill(cfg)
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from ..ops.report import build_record, render_table, render_timeline_svg
-
-    store = _open(args)
-    rec = build_record(store, _budget(args))
-    if args.svg:
-        with open(args.svg, "w") as f:
-            f.write(render_timeline_svg(rec))
-    _emit(args, rec, render_table(sanitize(rec)))
-    return 0
-
-
-def _budget(args: argparse.Namespace) -> Any:
-    from ..ops.budget import Budget
-
-    return Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours,
-                  min_step_seconds=args.min_step_seconds)
-
-
-def cmd_promote(args: argparse.Namespace) -> int:
-    _require("promotion", "torch", "torch", "safetensors")
-    from ..errors import PromotionRefusedError
-    from ..ops.promote import promote, promotion_check
-    from ..util.progress import progress
-
-    register = None
-    if args.register == "mlflow":
-        from ..ops.registry import mlflow_registrar
-
-        register = mlflow_registrar(args.model_name, tracking_uri=args.tracking_uri)
-    store = _open(args)
-    check = promotion_check(store, budget=_budget(args), step=args.step, reason=args.reason)
-    if not check.promotable:
-        obj = {"promoted": False, **check.to_json()}
-        text = f"REFUSED: run {esc(store.run_id)} is not promotable:\n" + "\n".join(
-            f"  - {esc(r)}" for r in check.reasons)
-        _emit(args, obj, text)
-        return 1
-    # the bar's scale: the stored model bytes where they are one component (else an activity line)
-    comp = check.ref.components.get("model.safetensors") if check.ref else None
-    total = comp.size if comp is not None else 0
-    try:
-        with progress(f"promote step {check.ref.step if check.ref else '?'}", total, quiet=args.json) as bar:
-            result = promote(store, args.to, step=args.step, reason=args.reason, check=check,
-                             max_shard_bytes=int(args.max_shard_size * 1e6), register=register,
-                             storage_options=_parse_options(args.to_option),
-                             on_tensor=lambda t: bar.advance(t.nbytes))
-    except PromotionRefusedError as exc:  # a race: the run changed between the check and the write
-        _emit(args, {"promoted": False, "reasons": exc.reasons}, f"REFUSED: {esc(str(exc))}")
-        return 1
-    lines = [f"promoted run {esc(store.run_id)} step {result.ref.step} (save {esc(result.ref.save_id)}, manifest "
-             f"{result.ref.manifest_digest[:16]}…) to {esc(redact_text(result.location))} in {result.seconds:.2f}s"]
-    lines += [f"  {esc(n)}  {_human_bytes(f['size'])}  blake3 {f['blake3'][:16]}…" for n, f in sorted(result.files.items())]
-    lines.append("  provenance.json" + ("  (signed with the run's key)" if result.provenance.get("auth") else ""))
-    lines.append("verified: every file re-hashed; the save is complete, verifies and holds exactly these tensors")
-    if result.registered:
-        lines.append(f"registered: {esc(str(result.registered.get('model')))} version "
-                     f"{esc(str(result.registered.get('version')))}")
-    _emit(args, result.to_json(), "\n".join(lines))
-    return 0
-
-
-def cmd_verify_artifact(args: argparse.Namespace) -> int:
-    _require("artifact verification", "torch", "torch", "safetensors")
-    from ..core.record_auth import load_keyring
-    from ..ops.artifact_check import read_provenance, verify_artifact
-    from ..util.progress import progress
-
-    opts = _parse_options(args.storage_option)
-    store = None
-    policy = args.auth_policy or ("warn" if args.auth_key_file else "off")
-    keyring = load_keyring(key_file=args.auth_key_file) if policy != "off" else None
-    if args.store:
-        try:
-            run_id = str(read_provenance(args.dir, opts)["run_id"])
-        except CkptStoreError as exc:
-            _emit(args, {"ok": False, "problems": [str(exc)]}, f"ARTIFACT INVALID: {esc(str(exc))}")
-            return 1
-        store = CheckpointStore.open(args.store, run_id, mode="r", storage_options=_parse_options(args.store_option),
-                                     auth_policy=policy, keyring=keyring)
-    with progress("verify artifact", 0, quiet=args.json) as bar:
-        rep = verify_artifact(args.dir, store=store, keyring=keyring, require_auth=policy == "require",
-                              storage_options=opts, on_file=lambda name, n: bar.advance(n, label=name))
-    p = rep.provenance or {}
-    if rep.ok:
-        text = (f"ARTIFACT OK: run {esc(str(p.get('run_id')))} step {p.get('step')} (save {esc(str(p.get('save_id')))})"
-                f": {len(p.get('files', {}))} file(s) re-hashed"
-                + ("; the store's save is complete, verifies and holds exactly these tensors" if rep.checked_store
-                   else " (pass --store URL to check them against the save)")
-                + ("; provenance authenticated" if rep.authenticated else ""))
-    else:
-        text = "ARTIFACT INVALID:\n" + "\n".join(f"  - {esc(x)}" for x in rep.problems)
-    _emit(args, rep.to_json(), text)
-    return 0 if rep.ok else 1
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from ..ops.status import parse_age, run_status, status_samples
-    from ..util.prometheus import render, write_textfile
-
-    max_age = parse_age(args.max_age) if args.max_age else None
-    budget = _budget(args)
-    out, samples, lines, ok = [], [], [], True
-    for run in args.runs:
-        args.run = run
-        st = run_status(_open(args), max_age=max_age, budget=budget)
-        out.append(st.to_json())
-        samples += status_samples(st)
-        lines.append(esc(st.line()))
-        ok = ok and st.ok
-    if args.prom:
-        write_textfile(args.prom, render(samples))
-    _emit(args, out, "\n".join(lines))
-    return 0 if ok else 1
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from ..ops.demo import run_demo
-
-    return run_demo(args.store)
-
-
-def _debug_flag(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print the traceback of a failure")
-
-
-def _storage_flags(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--json", action="store_true", help="machine-readable output")
-    sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
-    sp.add_argument(
-        "--auth-policy", choices=["off", "warn", "require"], default=None,
-        help="authenticated records: off (default), warn, require (keys: --auth-key-file or CKPTSTORE_AUTH_KEYS)",
-    )
-    sp.add_argument("--auth-key-file", default=None, help='key file {"active": ID, "keys": {ID: HEX}}, mode 600')
-
-
-def _common(sp: argparse.ArgumentParser) -> None:
-    """URL, RUN and the flags every store command takes."""
-    _debug_flag(sp)
-    sp.add_argument("url", help="store URL: a directory, file://, memory://, s3://bucket/prefix, gs://bucket/prefix")
-    sp.add_argument("run", help="run ID")
-    _storage_flags(sp)
-
-
-def _budget_flags(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--budget-gpu-hours", type=float, default=BUDGET_GPU_HOURS)
-    sp.add_argument("--gpu-hours-per-step", type=float, default=GPU_HOURS_PER_STEP)
-    sp.add_argument("--restart-gpu-hours", type=float, default=RESTART_GPU_HOURS)
-    sp.add_argument("--min-step-seconds", type=float, default=MIN_STEP_SECONDS,
-                    help="the shortest time a step can take: progress claimed faster than this is not believed")
+from ..defaults import BUDGET_GPU_HOURS, DEFAULT_GRACE_SECONDS, GPU_HOURS_PER_STEP
+from .common import budget_flags, common_flags, debug_flag, storage_flags
+from .output import OneLineParser, run_guarded
+from .run_commands import cmd_demo, cmd_drill, cmd_promote, cmd_report, cmd_status, cmd_verify_artifact
+from .store_commands import cmd_gc, cmd_inspect, cmd_latest, cmd_ls, cmd_sign, cmd_verify
 
 
 def _add_inspection_commands(sub: Any) -> None:
     """ls, latest, verify, inspect: reading a run's saves."""
     sp = sub.add_parser("ls", help="list every save of a run with its state")
-    _common(sp)
+    common_flags(sp)
     sp.add_argument("--deep", action="store_true", help="re-hash every component")
     sp.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, help="seconds an uncommitted save counts as in progress")
     sp.set_defaults(fn=cmd_ls)
 
     sp = sub.add_parser("latest", help="the newest complete save, and why newer candidates were skipped")
-    _common(sp)
+    common_flags(sp)
     sp.add_argument("--deep", action="store_true", help="re-hash every byte (what a resume checks by default)")
     sp.set_defaults(fn=cmd_latest)
 
     sp = sub.add_parser("verify", help="re-hash a save (the latest by default); exit 1 on corruption")
-    _common(sp)
+    common_flags(sp)
     sp.add_argument("--step", type=int)
     sp.add_argument("--attempt", type=int)
     sp.add_argument("--shallow", action="store_true", help="check sizes only")
     sp.set_defaults(fn=cmd_verify)
 
     sp = sub.add_parser("inspect", help="a run's identity, attempts and a save's manifest")
-    _common(sp)
+    common_flags(sp)
     sp.add_argument("--step", type=int)
     sp.add_argument("--attempt", type=int)
     sp.set_defaults(fn=cmd_inspect)
@@ -459,7 +55,7 @@ def _add_inspection_commands(sub: Any) -> None:
 def _add_maintenance_commands(sub: Any) -> None:
     """gc and sign: commands that write to the store."""
     sp = sub.add_parser("gc", help="delete old, superseded and abandoned saves (dry run unless --apply)")
-    _common(sp)
+    common_flags(sp)
     sp.add_argument("--keep-last", type=int, default=2)
     sp.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, help="never delete an uncommitted save younger than this")
     sp.add_argument("--apply", action="store_true", help="really delete")
@@ -467,7 +63,7 @@ def _add_maintenance_commands(sub: Any) -> None:
     sp.set_defaults(fn=cmd_gc)
 
     sp = sub.add_parser("sign", help="sign a run's existing records (after re-hashing every save) with the configured key")
-    _common(sp)
+    common_flags(sp)
     sp.set_defaults(fn=cmd_sign)
 
 
@@ -475,7 +71,7 @@ def _add_run_commands(sub: Any) -> None:
     """demo, drill, report, status: whole runs."""
     sp = sub.add_parser("demo", help="save / crash / resume on a local directory")
     sp.add_argument("--store", default=None, help="store URL (default: a fresh temporary directory)")
-    _debug_flag(sp)
+    debug_flag(sp)
     sp.set_defaults(fn=cmd_demo)
 
     sp = sub.add_parser("drill", help="the recovery drill (the default command)")
@@ -487,21 +83,21 @@ def _add_run_commands(sub: Any) -> None:
     sp.add_argument("--mtbi-steps", type=float, default=40.0, help="expected steps between interruptions")
     sp.add_argument("--verbose", action="store_true", help="echo the trainer processes' output")
     sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE")
-    _debug_flag(sp)
+    debug_flag(sp)
     sp.set_defaults(fn=cmd_drill)
 
     sp = sub.add_parser("report", help="the operator record of a run, from the store alone")
-    _common(sp)
-    _budget_flags(sp)
+    common_flags(sp)
+    budget_flags(sp)
     sp.add_argument("--svg", default=None, help="also write the timeline picture here")
     sp.set_defaults(fn=cmd_report)
 
     sp = sub.add_parser("status", help="one line per run; exit 1 when stale, without a complete save or over budget")
-    _debug_flag(sp)
+    debug_flag(sp)
     sp.add_argument("url", help="store URL")
     sp.add_argument("runs", nargs="+", metavar="RUN", help="run ID(s)")
-    _storage_flags(sp)
-    _budget_flags(sp)
+    storage_flags(sp)
+    budget_flags(sp)
     sp.add_argument("--max-age", default=None, help="alert when the newest complete save is older (90s, 30m, 2h, 1d)")
     sp.add_argument("--prom", default=None, metavar="FILE.prom", help="also write the metrics here (textfile collector)")
     sp.set_defaults(fn=cmd_status)
@@ -510,8 +106,8 @@ def _add_run_commands(sub: Any) -> None:
 def _add_promotion_commands(sub: Any) -> None:
     """promote and verify-artifact."""
     sp = sub.add_parser("promote", help="write a finished run's model as a verified serving artifact (or say why not)")
-    _common(sp)
-    _budget_flags(sp)
+    common_flags(sp)
+    budget_flags(sp)
     sp.add_argument("--to", required=True, help="artifact directory (must not exist), or s3:// / gs:// prefix (empty)")
     sp.add_argument("--step", type=int, default=None, help="promote this step instead of the final one (needs --reason)")
     sp.add_argument("--reason", default=None, help="why a step other than the final one (kept in the provenance)")
@@ -525,11 +121,11 @@ def _add_promotion_commands(sub: Any) -> None:
     sp.set_defaults(fn=cmd_promote)
 
     sp = sub.add_parser("verify-artifact", help="re-hash a promoted artifact; with --store check its save; exit 1 otherwise")
-    _debug_flag(sp)
+    debug_flag(sp)
     sp.add_argument("dir", help="artifact directory or URL")
     sp.add_argument("--store", default=None, help="store URL of the run the provenance names")
     sp.add_argument("--store-option", action="append", metavar="KEY=VALUE", help="storage option of --store")
-    _storage_flags(sp)
+    storage_flags(sp)
     sp.set_defaults(fn=cmd_verify_artifact)
 
 

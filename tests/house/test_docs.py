@@ -140,7 +140,7 @@ def test_examples_fit_the_readme(name: str) -> None:
     assert len(README.read_bytes()) <= 10_500
 
 
-DOTTED = re.compile(r"(?<![\w./-])(ckptstore(?:\.[A-Za-z_]\w*)+)")
+DOTTED = re.compile(r"(?<![\w./-])(ckptstore(?:\.[A-Za-z_]\w*)+)(?![\w/])")  # not a format name like ckptstore.artifact/1
 
 
 def resolves(dotted: str) -> bool:

@@ -1,0 +1,88 @@
+"""What the commands share: opening the store from the arguments, tables,
+human sizes, the flags every command takes."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..defaults import BUDGET_GPU_HOURS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
+from ..errors import ExtraRequiredError
+from ..ops.budget import MIN_STEP_SECONDS
+from ..store import CheckpointStore
+from .output import parse_options
+
+
+def human_bytes(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def open_store(args: argparse.Namespace, *, default_policy: str = "off") -> CheckpointStore:
+    from ..core.record_auth import load_keyring
+
+    key_file = getattr(args, "auth_key_file", None)
+    policy = getattr(args, "auth_policy", None) or ("warn" if key_file and default_policy == "off" else default_policy)
+    keyring = load_keyring(key_file=key_file) if policy != "off" else None
+    return CheckpointStore.open(
+        args.url, args.run, mode="r", storage_options=parse_options(getattr(args, "storage_option", None)),
+        auth_policy=policy, keyring=keyring,
+    )
+
+
+def require_extra(what: str, extra: str, *modules: str) -> None:
+    """One line naming the extra to install, instead of a traceback."""
+    import importlib.util
+
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise ExtraRequiredError(what, extra, m)
+
+
+def budget_from_args(args: argparse.Namespace) -> Any:
+    from ..ops.budget import Budget
+
+    return Budget(args.budget_gpu_hours, args.gpu_hours_per_step, args.restart_gpu_hours,
+                  min_step_seconds=args.min_step_seconds)
+
+
+def debug_flag(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print the traceback of a failure")
+
+
+def storage_flags(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
+    sp.add_argument(
+        "--auth-policy", choices=["off", "warn", "require"], default=None,
+        help="authenticated records: off (default), warn, require (keys: --auth-key-file or CKPTSTORE_AUTH_KEYS)",
+    )
+    sp.add_argument("--auth-key-file", default=None, help='key file {"active": ID, "keys": {ID: HEX}}, mode 600')
+
+
+def common_flags(sp: argparse.ArgumentParser) -> None:
+    """URL, RUN and the flags every store command takes."""
+    debug_flag(sp)
+    sp.add_argument("url", help="store URL: a directory, file://, memory://, s3://bucket/prefix, gs://bucket/prefix")
+    sp.add_argument("run", help="run ID")
+    storage_flags(sp)
+
+
+def budget_flags(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--budget-gpu-hours", type=float, default=BUDGET_GPU_HOURS)
+    sp.add_argument("--gpu-hours-per-step", type=float, default=GPU_HOURS_PER_STEP)
+    sp.add_argument("--restart-gpu-hours", type=float, default=RESTART_GPU_HOURS)
+    sp.add_argument("--min-step-seconds", type=float, default=MIN_STEP_SECONDS,
+                    help="the shortest time a step can take: progress claimed faster than this is not believed")

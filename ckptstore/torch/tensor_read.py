@@ -8,12 +8,8 @@ concurrently. Nothing is returned unless every component verified, so a
 caller that applies the tensors only after this returns never applies a
 corrupt byte.
 
-Large buffers are anonymous memory mappings advised to use transparent huge
-pages where the platform offers them (Linux ``MADV_HUGEPAGE``): fresh memory
-costs a page fault per page on its first write, and with 2 MiB pages instead
-of 4 KiB ones the read into fresh memory runs about 1.6 times faster here
-(docs/performance.md). The mapping is unmapped when the last tensor viewing it
-is freed. Elsewhere, and for small components, :func:`torch.empty`.
+The buffers are plain :func:`torch.empty` memory (see :func:`fresh_buffer`
+for why not huge pages).
 
 The size allocated is the commit record's claim, which is storage input: it
 is checked against the caller's bound for the entry first (what the live
@@ -24,7 +20,6 @@ objects can hold, :mod:`.bounds`), and an allocation that fails anyway
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,23 +31,18 @@ from .safetensors_io import tensors_from_buffer
 
 #: components read at the same time (each also keeps one hashing thread busy)
 MAX_PARALLEL = 4
-#: components at least this large are read into a huge-page mapping (where the platform has them)
-MIN_MAPPED_BYTES = 4 << 20
-_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def fresh_buffer(size: int) -> torch.Tensor:
-    """``size`` bytes of fresh, writable CPU memory as a uint8 tensor, in huge
-    pages where the platform offers them (see the module docstring). Raises
-    what the allocation raises (``MemoryError``, ``OSError``, ``RuntimeError``)."""
-    if _HUGEPAGE is None or size < MIN_MAPPED_BYTES:
-        return torch.empty(size, dtype=torch.uint8)
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(_HUGEPAGE)
-    except OSError:
-        pass  # huge pages refused (kernel setting): ordinary pages, same bytes
-    return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    """``size`` bytes of fresh, writable CPU memory as a uint8 tensor.
+
+    Plain :func:`torch.empty`. Measured and rejected (docs/performance.md):
+    an anonymous mapping advised to use transparent huge pages reads a warm
+    file 1.6 times faster once the process has reused its huge pages, but the
+    first restores of a fresh process (a restart: the case that matters) ran
+    3 to 6 times slower on the virtual machine here (probably because its
+    host reclaims freed huge pages, so each first touch is the host's fault too)."""
+    return torch.empty(size, dtype=torch.uint8)
 
 
 def _allocate(ref: SaveRef, comp: str, size: int, limit: int | None, entry: str) -> torch.Tensor:

@@ -354,6 +354,7 @@ class Checkpointer:
         if ref is None:
             if self.record_events:
                 self.store.record_event("start", {"resumed_from": None})
+            self._prepare_buffers()
             return 0
         choice = on_config_change or self.on_config_change
         for name, obj in self.objects.items():
@@ -394,9 +395,17 @@ class Checkpointer:
                     p.grad = grads[n].to(p.device).clone()
         self._last_saved_step = ref.step
         self._arm_loaders(saved, restore_rng_state)
+        self._prepare_buffers()
         if self.record_events:
             self.store.record_event("resume", {"resumed_from": ref.step, "save_id": ref.save_id})
         return ref.step + 1
+
+    def _prepare_buffers(self) -> None:
+        """Async saves: allocate the first save's host buffers in the background,
+        now that the state has its final shapes (after the restore, so its
+        peak memory is not raised by them)."""
+        if self._queue is not None:
+            self._buffers.prepare_for(self.objects)
 
     def _arm_loaders(self, saved: SavedState, restore_rng_state: bool) -> None:
         global_rng = torch.get_rng_state() if restore_rng_state else None

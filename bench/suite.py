@@ -1,10 +1,13 @@
-"""The benchmark suite of issue 14: one entry that runs every row.
+"""The benchmark suite: one entry that runs every row (``./dev bench``'s default).
 
-    ./dev bench suite [--size 256M|1G|4G] [--repeat 5] [--rows 1,2,3,4,5,6,7,8] [--dir PATH] [--quick]
+    ./dev bench [--size 256M|1G|4G] [--repeat 5] [--rows save,restore,...] [--dir PATH] [--quick]
 
 Interleaves ckptstore and its peers in the same run, takes medians and reports
 each median as a ratio to a floor measured in the same run. Writes
-bench/results/latest.json and bench/results/latest.md and prints the table.
+bench/results/latest.md (committed) and latest.json (not) and prints the table.
+
+A row is one module ``bench/rows/NAME.py`` with ``run(cfg: Config) -> list[Row]``
+plus one line in :data:`ROWS` (bench/README.md).
 """
 
 from __future__ import annotations
@@ -21,22 +24,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Config, Row, drop_caches, machine, markdown, parse_size, write_results
 
-MODULES = {
-    "1": "bench.row1_save",
-    "2": "bench.row2_sync",
-    "3": "bench.row3_async",
-    "4": "bench.row4_resume",
-    "5": "bench.row5_history",  # rows 5 and 6
-    "7": "bench.row7_memory",
-    "8": "bench.row8_e2e",
-}
+#: the suite's rows, in the order they run: bench/rows/<name>.py (issue 14's row numbers in the comments)
+ROWS = [
+    "save",  # 1: save+commit of bytes against raw write+fsync
+    "sync_save",  # 2: sync save of a torch state against torch.save, safetensors, DCP
+    "async_save",  # 3: async save, loop blocked, against a copy into preallocated buffers and DCP async_save
+    "restore",  # 4: resume into live objects against torch.load, dcp.load and the read/hash floor
+    "history",  # 5 and 6: latest_complete() and list_saves() against history length
+    "memory",  # 7: peak memory of save and restore
+    "restart",  # 8: end to end, restart to the first useful step
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="256M", help="state size of the save/restore rows (256M, 1G, 4G)")
     ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds per row")
-    ap.add_argument("--rows", default=",".join(MODULES), help="which rows (5 also runs row 6)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"which rows, by name ({', '.join(ROWS)})")
     ap.add_argument("--dir", default=None, help="a directory on the local disk (default: the system temp dir)")
     ap.add_argument("--shm", default="/dev/shm", help="a directory on tmpfs")
     ap.add_argument("--histories", default="100,1000,10000", help="history lengths of row 5")
@@ -56,10 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             "row_seconds": {}}
     row_seconds: dict[str, float] = meta["row_seconds"]
     rows: list[Row] = []
+    unknown = [k for k in a.rows.split(",") if k not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; the rows are {', '.join(ROWS)}")
     for key in a.rows.split(","):
-        mod = importlib.import_module(MODULES[key])
+        mod = importlib.import_module(f"bench.rows.{key}")
         t = time.perf_counter()
-        print(f"suite: row {key} ({MODULES[key]}) ...", file=sys.stderr, flush=True)
+        print(f"suite: row {key} (bench/rows/{key}.py) ...", file=sys.stderr, flush=True)
         new = mod.run(cfg)
         row_seconds[key] = round(time.perf_counter() - t, 1)
         rows.extend(new)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import builtins
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from functools import partial
 from typing import Any
 
@@ -229,54 +230,62 @@ class RunIO:
         :class:`CorruptionError` the content of ``out`` is undefined."""
         if len(out) != comp.size:
             raise ValueError(f"buffer of {len(out)} bytes for a component of {comp.size}")
-        spans = ((off, min(comp.size, off + chunk)) for off in range(0, comp.size, chunk))  # stops at a short one
-        conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, -(-comp.size // chunk)))
         hasher = BackgroundHasher()
-
-        def read(span: tuple[int, int]) -> int:
-            return self.retry.call(partial(self.backend.readinto, key, span[0], out[span[0] : span[1]]))
-
-        def take(span: tuple[int, int], got: int) -> bool:
-            """Account one chunk and hash it (chunks arrive in order); False if it came back short."""
-            self.bytes_read += got
-            if got != span[1] - span[0]:
-                return False
-            hasher.feed(out[span[0] : span[1]])
-            return True
-
-        seen = 0
-        complete = True
-        pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto") if conc > 1 else None
         try:
-            pending: deque[tuple[tuple[int, int], Future[int]]] = deque()
-            for span in spans:
-                if pool is None:
-                    got = read(span)
-                else:
-                    pending.append((span, pool.submit(read, span)))
-                    if len(pending) < conc:
-                        continue
-                    span, fut = pending.popleft()
-                    got = fut.result()
-                if not take(span, got):
-                    complete, seen = False, span[0] + got
-                    break
-            while complete and pending:
-                span, fut = pending.popleft()
-                got = fut.result()
-                if not take(span, got):
-                    complete, seen = False, span[0] + got
-            grew = complete and self.retry.call(
-                partial(self.backend.readinto, key, comp.size, memoryview(bytearray(1)))
-            ) > 0
+            seen = self._fill_hashed(key, out, chunk, hasher)
+            grew = seen == comp.size and self._extends_past(key, comp.size)
         except NotFoundError:
             raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
         finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-            digest = hasher.finish()
-        if not complete or grew:
+            digest = hasher.finish()  # never leave a hash running on the caller's buffer
+        if seen != comp.size or grew:
             n = f"{comp.size}+" if grew else str(seen)
             raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
         if digest != comp.blake3:
             raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
+
+    def _fill_hashed(self, key: str, out: memoryview, chunk: int, hasher: BackgroundHasher) -> int:
+        """Read the object's first ``len(out)`` bytes into ``out`` chunk by
+        chunk, feeding each to ``hasher`` in order; the count of bytes before
+        the first short chunk (``len(out)`` when every chunk came back whole)."""
+        size = len(out)
+        spans = [(off, min(size, off + chunk)) for off in range(0, size, chunk)]
+        with closing(self._read_spans(key, out, spans)) as arrived:
+            for (start, end), got in arrived:
+                self.bytes_read += got
+                if got != end - start:
+                    return start + got
+                hasher.feed(out[start:end])
+        return size
+
+    def _read_spans(self, key: str, out: memoryview, spans: builtins.list[tuple[int, int]]
+                    ) -> Generator[tuple[tuple[int, int], int], None, None]:
+        """(span, bytes read) of each span of ``out`` filled from the object,
+        in order; up to the backend's ``read_concurrency`` spans (at most 16)
+        in flight. Closing the iterator early waits for the reads in flight
+        and cancels the rest."""
+        def read(span: tuple[int, int]) -> int:
+            return self.retry.call(partial(self.backend.readinto, key, span[0], out[span[0] : span[1]]))
+
+        conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, len(spans)))
+        if conc == 1:
+            for span in spans:
+                yield span, read(span)
+            return
+        pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto")
+        try:
+            pending: deque[tuple[tuple[int, int], Future[int]]] = deque()
+            for span in spans:
+                pending.append((span, pool.submit(read, span)))
+                if len(pending) >= conc:
+                    first, fut = pending.popleft()
+                    yield first, fut.result()
+            while pending:
+                first, fut = pending.popleft()
+                yield first, fut.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _extends_past(self, key: str, size: int) -> bool:
+        """Whether the object holds a byte at offset ``size`` (it grew past its recorded size)."""
+        return self.retry.call(partial(self.backend.readinto, key, size, memoryview(bytearray(1)))) > 0

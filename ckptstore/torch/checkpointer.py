@@ -51,6 +51,7 @@ Retention (``keep_last``, ``keep_every``) runs after each commit.
 from __future__ import annotations
 
 import inspect
+import os
 import signal
 import threading
 import time
@@ -61,8 +62,13 @@ from typing import Any, Literal
 import torch
 
 from .. import (
+    AuthPolicy,
+    Backend,
     CheckpointStore,
     InvalidInputError,
+    Keyring,
+    RetryPolicy,
+    RunIdentity,
     SaveRef,
 )
 from . import retention
@@ -111,7 +117,111 @@ class ConfigChangeWarning(UserWarning):
     """Configured hyperparameters differ from the saved ones; the saved ones were kept."""
 
 
+def _check_choices(
+    store: CheckpointStore, every_steps: int | None, every_seconds: float | None, keep_last: int | None,
+    keep_every: int | None, on_config_change: str, max_inflight: int, preempt_exit_code: int,
+) -> None:
+    """Refuse a Checkpointer's unusable choices (:class:`InvalidInputError`) before anything is built."""
+    if store.mode != "w":
+        raise InvalidInputError("Checkpointer needs a store opened for writing (with an identity)")
+    if every_steps is not None and every_steps <= 0:
+        raise InvalidInputError("every_steps must be positive")
+    if every_seconds is not None and every_seconds <= 0:
+        raise InvalidInputError("every_seconds must be positive")
+    retention.validate(keep_last, keep_every)
+    if on_config_change not in ("keep-saved", "take-new", "refuse"):
+        raise InvalidInputError("on_config_change must be 'keep-saved', 'take-new' or 'refuse'")
+    if type(max_inflight) is not int or max_inflight < 1:
+        raise InvalidInputError("max_inflight must be a positive integer")
+    if not 0 <= preempt_exit_code <= 255:
+        raise InvalidInputError("preempt_exit_code must be an exit status (0..255)")
+
+
 class Checkpointer:
+    """Saves and resumes a whole training state at optimizer-step boundaries.
+
+    What it promises:
+
+    - **Nothing unverified is applied.** :meth:`resume` reads the attempt's
+      resume point in one pass, every byte checked against its BLAKE3 digest
+      in the commit record while it is read, and checks the saved state
+      against every live object (keys, shapes, dtypes, optimizer class and
+      layout) before anything is loaded. A save whose bytes are corrupt is
+      skipped for the newest older one that reads back intact (recorded as a
+      new attempt and a ``resume-fallback`` event); nothing of the corrupt
+      one reaches the objects.
+    - **A step is saved whole or not at all.** A save named ``step`` holds
+      the state after that step (every object, the RNG states, the data
+      position); it is published by one atomic commit, so a crash leaves the
+      previous save as the newest complete one.
+    - **Training waits only for the copy.** With ``async_save`` (default),
+      :meth:`step_end` blocks while the state is copied into reused host
+      buffers; writing, verifying and committing happen in the background,
+      commits in step order, at most ``max_inflight`` saves in flight. A
+      background failure is raised at the next :meth:`step_end`,
+      :meth:`save` or :meth:`close`.
+    - **Preemption is an extra chance.** On SIGTERM / SIGUSR1 the next
+      :meth:`step_end` saves, waits, and exits with ``preempt_exit_code``
+      (on many ranks: every rank the same step, or none).
+
+    The one-call way in is :meth:`open` (store and Checkpointer together,
+    resuming in one verified pass); the constructor takes a store opened for
+    writing. See the module docstring for the full behaviour.
+    """
+
+    @classmethod
+    def open(
+        cls,
+        url: str | os.PathLike[str] | Backend,
+        run_id: str,
+        identity: RunIdentity | Mapping[str, Any],
+        objects: Mapping[str, Any],
+        *,
+        resume_from: int | None | Literal["latest"] = "latest",
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        lineage: Mapping[str, Any] | None = None,
+        auth_policy: AuthPolicy | str = "off",
+        keyring: Keyring | None = None,
+        protocol_version: int | None = None,
+        **options: Any,
+    ) -> Checkpointer:
+        """Open run ``run_id`` of the store at ``url`` for writing and build a
+        Checkpointer of ``objects`` on it: the fast path, in one call.
+
+        The store is opened with the resume point chosen by its sizes
+        (``resume_verify="cheap"``): its digests are checked once, by
+        :meth:`resume`, while its bytes are read into memory, and a save that
+        fails that check is never applied (the next older intact one is
+        resumed instead, recorded). The guarantee is the one of a deep check at
+        open, for one read of the bytes instead of two.
+
+        The store keywords (``resume_from``, ``storage_options``, ``retry``,
+        ``lineage``, ``auth_policy``, ``keyring``, ``protocol_version``) mean
+        what they mean to :meth:`CheckpointStore.open`; every other keyword
+        (``every_steps``, ``async_save``, ``keep_last``, ...) is the
+        constructor's. :meth:`close` (or leaving a ``with`` block) also closes
+        the store. ::
+
+            with Checkpointer.open("/ckpt", "run-1", identity, {"model": m, "optimizer": opt},
+                                   every_steps=100) as ckpt:
+                for step in range(ckpt.resume(), total_steps):
+                    ...
+                    ckpt.step_end(step)
+        """
+        store = CheckpointStore.open(
+            url, run_id, identity=identity, mode="w", resume_from=resume_from, storage_options=storage_options,
+            retry=retry, lineage=lineage, resume_verify="cheap", auth_policy=auth_policy, keyring=keyring,
+            protocol_version=protocol_version,
+        )
+        try:
+            ckpt = cls(store, objects, **options)
+        except BaseException:
+            store.close()
+            raise
+        ckpt._owns_store = True
+        return ckpt
+
     def __init__(
         self,
         store: CheckpointStore,
@@ -135,19 +245,10 @@ class Checkpointer:
         max_inflight: int = 1,
         metrics_path: str | None = None,
     ) -> None:
-        if store.mode != "w":
-            raise InvalidInputError("Checkpointer needs a store opened for writing (with an identity)")
-        if every_steps is not None and every_steps <= 0:
-            raise InvalidInputError("every_steps must be positive")
-        if every_seconds is not None and every_seconds <= 0:
-            raise InvalidInputError("every_seconds must be positive")
-        retention.validate(keep_last, keep_every)
-        if on_config_change not in ("keep-saved", "take-new", "refuse"):
-            raise InvalidInputError("on_config_change must be 'keep-saved', 'take-new' or 'refuse'")
-        if type(max_inflight) is not int or max_inflight < 1:
-            raise InvalidInputError("max_inflight must be a positive integer")
-        if not 0 <= preempt_exit_code <= 255:
-            raise InvalidInputError("preempt_exit_code must be an exit status (0..255)")
+        """Build on ``store`` (opened for writing). Every choice is checked
+        here, and every object validated, before anything else happens."""
+        _check_choices(store, every_steps, every_seconds, keep_last, keep_every, on_config_change, max_inflight,
+                       preempt_exit_code)
         if metrics_path is not None and not str(metrics_path).endswith(".prom"):
             raise InvalidInputError("metrics_path must end in .prom (node_exporter's textfile collector reads only those)")
         self.store = store
@@ -174,19 +275,30 @@ class Checkpointer:
         #: the module whose ``.grad`` tensors are saved with ``include_grads``
         self.model = model or next((o for o in self.objects.values() if hasattr(o, "named_parameters")), None)
         self.max_inflight = max_inflight
+        self._start_saving()
+        self._owns_store = False  # True when built by open(): close() closes the store too
+        self._preempted = threading.Event()
+        self._old_handlers: dict[int, Any] = {}
+        if handle_signals:
+            self._install_signal_handlers(signals)
+
+    def _start_saving(self) -> None:
+        """The host buffers, the background queue and the save bookkeeping."""
         self._buffers = HostBuffers()
         self._queue: SaveQueue | None = (
-            SaveQueue(max_inflight, self._buffers, abandon=getattr(store, "abandon", None)) if async_save else None
+            SaveQueue(self.max_inflight, self._buffers, abandon=getattr(self.store, "abandon", None))
+            if self.async_save else None
         )
         self._retain_lock = threading.Lock()
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
         self._last_scheduled_step: int | None = None
-        self._preempted = threading.Event()
-        self._old_handlers: dict[int, Any] = {}
         self.saves: list[dict[str, Any]] = []
         self.last_blocking_seconds = 0.0
-        if handle_signals and threading.current_thread() is threading.main_thread():
+
+    def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:
+        """Catch the preemption signals (only possible on the main thread; elsewhere none are caught)."""
+        if threading.current_thread() is threading.main_thread():
             for s in signals:
                 self._old_handlers[s] = signal.signal(s, self._on_signal)
 
@@ -249,6 +361,7 @@ class Checkpointer:
             self._metrics_resumed(None, None)
             if self.record_events:
                 self.store.record_event("start", {"resumed_from": None})
+            self._prepare_buffers()
             return 0
         choice = on_config_change or self.on_config_change
         for name, obj in self.objects.items():
@@ -291,6 +404,7 @@ class Checkpointer:
                     p.grad = grads[n].to(p.device).clone()
         self._last_saved_step = ref.step
         self._arm_loaders(saved, restore_rng_state)
+        self._prepare_buffers()
         if self.record_events:
             self.store.record_event("resume", {"resumed_from": ref.step, "save_id": ref.save_id})
         return ref.step + 1
@@ -308,6 +422,13 @@ class Checkpointer:
             committed_at=None if ref is None else ref.record.created_at,
             last_save=None if ref is None else save_event(events, ref.save_id),
         )
+
+    def _prepare_buffers(self) -> None:
+        """Async saves: allocate the first save's host buffers in the background,
+        now that the state has its final shapes (after the restore, so its
+        peak memory is not raised by them)."""
+        if self._queue is not None:
+            self._buffers.prepare_for(self.objects)
 
     def _arm_loaders(self, saved: SavedState, restore_rng_state: bool) -> None:
         global_rng = torch.get_rng_state() if restore_rng_state else None
@@ -465,6 +586,9 @@ class Checkpointer:
                 except (ValueError, TypeError):
                     pass
             self._old_handlers.clear()
+            if self._owns_store:
+                self._owns_store = False
+                self.store.close()
 
     def __enter__(self) -> Checkpointer:  # noqa: PYI034
         return self

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import random
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -208,19 +209,62 @@ class HostBuffers:
 
     Reusing buffers matters: copying into preallocated memory is ~2x faster
     than into fresh memory, and the first touch of fresh pages is slower still.
+    :meth:`prepare_for` takes that first allocation off the training loop: the
+    buffers of the objects' current tensors are allocated and touched in a
+    background thread, so the first save copies into memory that is ready
+    (a tensor whose buffer is not ready yet is allocated by the save itself,
+    as without it).
     """
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, str], torch.Tensor] = {}
         self._pin = torch.cuda.is_available()
+        self._lock = threading.Lock()
+
+    def _new(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
 
     def copy(self, entry: str, key: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._bufs.get((entry, key))
+        with self._lock:
+            buf = self._bufs.get((entry, key))
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pin)
-            self._bufs[(entry, key)] = buf
+            buf = self._new(t.shape, t.dtype)
+            with self._lock:
+                self._bufs[(entry, key)] = buf
         buf.copy_(t.detach(), non_blocking=self._pin and t.device.type == "cuda")
         return buf
+
+    def prepare_for(self, objects: Mapping[str, Any]) -> threading.Thread | None:
+        """Allocate and touch, in a daemon thread, a buffer for every tensor
+        the objects hold now that has none yet (their shapes are read here, on
+        the caller's thread; nothing is copied). Returns the thread (None:
+        nothing to allocate). Objects whose ``state_dict()`` would have side
+        effects (a ``StatefulDataLoader``) and entries that cannot be
+        flattened are left to the first save."""
+        want: list[tuple[tuple[str, str], torch.Size, torch.dtype]] = []
+        for name, obj in objects.items():
+            if is_stateful_dataloader(obj):
+                continue
+            try:
+                fl = flatten(obj.state_dict() if has_state(obj) else obj)
+            except (InvalidInputError, RuntimeError, TypeError, ValueError):
+                continue
+            with self._lock:
+                want.extend(((name, k), t.shape, t.dtype) for k, t in fl.tensors.items()
+                            if (name, k) not in self._bufs and t.numel())
+        if not want:
+            return None
+
+        def allocate() -> None:
+            for key, shape, dtype in want:
+                buf = self._new(shape, dtype)
+                buf.zero_()  # touch every page now, not in the first save's copy
+                with self._lock:
+                    self._bufs.setdefault(key, buf)
+
+        th = threading.Thread(target=allocate, name="ckptstore-host-buffers", daemon=True)
+        th.start()
+        return th
 
 
 def snapshot(

@@ -8,6 +8,9 @@ concurrently. Nothing is returned unless every component verified, so a
 caller that applies the tensors only after this returns never applies a
 corrupt byte.
 
+The buffers are plain :func:`torch.empty` memory (see :func:`fresh_buffer`
+for why not huge pages).
+
 The size allocated is the commit record's claim, which is storage input: it
 is checked against the caller's bound for the entry first (what the live
 objects can hold, :mod:`.bounds`), and an allocation that fails anyway
@@ -30,6 +33,18 @@ from .safetensors_io import tensors_from_buffer
 MAX_PARALLEL = 4
 
 
+def fresh_buffer(size: int) -> torch.Tensor:
+    """``size`` bytes of fresh, writable CPU memory as a uint8 tensor.
+
+    Plain :func:`torch.empty`. Measured and rejected (docs/performance.md):
+    an anonymous mapping advised to use transparent huge pages reads a warm
+    file 1.6 times faster once the process has reused its huge pages, but the
+    first restores of a fresh process (a restart: the case that matters) ran
+    3 to 6 times slower on the virtual machine here (probably because its
+    host reclaims freed huge pages, so each first touch is the host's fault too)."""
+    return torch.empty(size, dtype=torch.uint8)
+
+
 def _allocate(ref: SaveRef, comp: str, size: int, limit: int | None, entry: str) -> torch.Tensor:
     """The read buffer of a component whose size the commit record claims."""
     where = f"save {ref.save_id} (step {ref.step}): component {comp!r}"
@@ -40,8 +55,8 @@ def _allocate(ref: SaveRef, comp: str, size: int, limit: int | None, entry: str)
             "(restore it into an object of that size)"
         )
     try:
-        return torch.empty(size, dtype=torch.uint8)
-    except (MemoryError, RuntimeError) as exc:
+        return fresh_buffer(size)
+    except (MemoryError, OSError, RuntimeError) as exc:
         msg = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
         raise CorruptionError(
             f"{where} claims {size} bytes, which cannot be allocated ({msg}): treating the save as damaged"

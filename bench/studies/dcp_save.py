@@ -1,6 +1,6 @@
 """DCP save-and-publish through StoreWriter vs DCP's FileSystemWriter(sync_files=True).
 
-    ./dev bench dcp_save [--ranks 2] [--mib 256] [--rounds 3] [--where disk,shm]
+    ./dev bench study dcp_save [--ranks 2] [--mib 256] [--rounds 3] [--where disk,shm]
 
 N rank processes (gloo on 127.0.0.1) each hold MIB/N MiB of float32 tensors
 (a DTensor-free plain state dict, row blocks per rank). Per round and place,
@@ -43,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def worker(spec: dict[str, Any]) -> None:

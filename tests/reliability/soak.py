@@ -1,10 +1,10 @@
 """Soak: SIGKILL a saving writer at random moments, many times, and judge the
 store after every kill from a fresh client.
 
-    ./dev bench soak --backend local --kills 1000
-    ./dev bench soak --backend moto --kills 1000       # starts moto on loopback
-    ./dev bench soak --backend fakegcs --kills 1000    # starts fake-gcs-server on loopback
-    ./dev bench soak --backend seaweedfs --kills 200
+    python -m tests.reliability.soak --backend local --kills 1000
+    python -m tests.reliability.soak --backend moto --kills 1000       # starts moto on loopback
+    python -m tests.reliability.soak --backend fakegcs --kills 1000    # starts fake-gcs-server on loopback
+    python -m tests.reliability.soak --backend seaweedfs --kills 200
 
 Each round forks a writer (the harness has already imported everything, so a
 round costs no interpreter start) that opens the run (resuming from the newest
@@ -51,7 +51,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.schemes import backend_from_url
 from ckptstore.testing.invariants import invariant_1_violations
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 IDENT = {"data_digest": "soak", "code_digest": "soak"}
 SIZES = {"model": 200_000, "optim": 400_000, "extra/rng": 3_000}

@@ -1,6 +1,6 @@
 """obstore (Rust ``object_store``) next to s3fs, the S3 transport behind ``s3://``.
 
-    ./dev bench obstore_eval [--mib 256] [--repeat 5] [--servers seaweedfs,moto] [--small 50] [--keys 1000]
+    ./dev bench study obstore_eval [--mib 256] [--repeat 5] [--servers seaweedfs,moto] [--small 50] [--keys 1000]
 
 Each server (SeaweedFS and moto on 127.0.0.1, started here as the tests start
 them) gets, per contender, interleaved (the order rotated every round, one
@@ -24,7 +24,7 @@ wall time, the client process's CPU time is recorded per large transfer (on a
 (the resident high-water mark above the RSS before the call, measured once in
 a fresh process per contender and operation).
 
-Writes ``bench/results/obstore_eval.json`` and ``.md`` and prints the table.
+Writes ``bench/results/obstore_eval.json`` and ``.md`` (not committed) and prints the table.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import RESULTS, MiB, interleave, reset_hwm, run_child, vm_hwm_kib, vm_rss_kib
 from ckptstore.backends.base import Backend
@@ -258,7 +258,7 @@ def measure_server(name: str, a: argparse.Namespace, data: memoryview) -> dict[s
         for op in ("put", "get", "get ranges"):
             for c in cs:
                 job = {"opts": opts, "prefix": prefix, "contender": c.name, "op": op, "mib": a.mib}
-                peak[c.name][op] = run_child(["bench/obstore_eval.py", "--child", json.dumps(job)])["peak_mib"]
+                peak[c.name][op] = run_child(["bench/studies/obstore_eval.py", "--child", json.dumps(job)])["peak_mib"]
         res["peak_mib"] = peak
         for c in cs:
             c.delete("big")

@@ -1,9 +1,9 @@
 """Where the time goes in the suite's worst rows: cProfile of one call.
 
-    python -m bench.hotspots resume [--size 256M] [--verify deep|cheap]   # row 4: open + Checkpointer.resume
-    python -m bench.hotspots list_saves [--history 10000]                 # row 6 (tmpfs)
-    python -m bench.hotspots latest [--history 10000]                     # row 5 (tmpfs)
-    python -m bench.hotspots save [--size 256M]                           # row 2: Checkpointer.save (sync)
+    ./dev bench study hotspots resume [--size 256M] [--verify deep|cheap]   # row 4: open + Checkpointer.resume
+    ./dev bench study hotspots list_saves [--history 10000]                 # row 6 (tmpfs)
+    ./dev bench study hotspots latest [--history 10000]                     # row 5 (tmpfs)
+    ./dev bench study hotspots save [--size 256M]                           # row 2: Checkpointer.save (sync)
 
 Prints the top functions by cumulative and by own time.
 """
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import IDENTITY, parse_size, scratch
 
@@ -48,7 +48,7 @@ def main() -> None:
     from ckptstore import CheckpointStore
 
     if a.what in ("list_saves", "latest"):
-        from bench.row5_history import RUN, make_history
+        from bench.rows.history import RUN, make_history
 
         with scratch("/dev/shm", "bench-prof-") as d:
             url = make_history(d, a.history)

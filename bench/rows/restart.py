@@ -130,7 +130,7 @@ def run(cfg: Config) -> list[Row]:
             for verify, out in (("cheap", rs), ("deep", rs_deep)):
                 t0 = time.time()
                 p = subprocess.run(
-                    [sys.executable, "-W", "ignore", "-m", "bench.row8_e2e", url, last, str(int(cfg.quick)), verify],
+                    [sys.executable, "-W", "ignore", "-m", "bench.rows.restart", url, last, str(int(cfg.quick)), verify],
                     cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)},
                 )
                 t_end = time.time()

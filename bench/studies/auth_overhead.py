@@ -2,7 +2,7 @@
 auth_policy="require" against "off", interleaved in one run, on the local
 disk (default /dev/shm, so the disk does not hide the difference).
 
-    ./dev bench auth_overhead [--dir /dev/shm] [--saves 200] [--size 65536]
+    ./dev bench study auth_overhead [--dir /dev/shm] [--saves 200] [--size 65536]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Row 4: resume into a live model and optimizer, verified.
 
-ckptstore: ``CheckpointStore.open`` (which by default re-hashes the chosen
-save before the attempt resumes from it) + ``Checkpointer.resume()`` (which
-reads and verifies again while loading); also with ``resume_verify="cheap"``
-(sizes at open, the digest checked once while loading). Peers: torch.load +
+ckptstore: ``Checkpointer.open`` + ``resume()``, the default path (the resume
+point chosen by its sizes, every byte read once and verified while read), and
+``CheckpointStore.open`` with its own default (every byte of the chosen save
+re-hashed at open) + ``Checkpointer(...).resume()``, which reads it twice. Peers: torch.load +
 load_state_dict, dcp.load in place + load_state_dict. Floor: max(raw read of
 the same bytes, BLAKE3 of them in memory), measured in the same round. Warm
 page cache, and cold (``drop_caches`` before each measurement) when permitted.
@@ -59,14 +59,17 @@ def run(cfg: Config) -> list[Row]:
                     return dt
                 return go
 
-            def ours(verify: str) -> Callable[[], None]:
-                def go() -> None:
-                    s = CheckpointStore.open(url, "row4", identity=IDENTITY, resume_verify=verify)  # type: ignore[arg-type]
-                    c = Checkpointer(s, {"model": model, "optimizer": opt}, async_save=False, handle_signals=False)
+            def ours_default() -> None:
+                with Checkpointer.open(url, "row4", IDENTITY, {"model": model, "optimizer": opt}, async_save=False,
+                                       handle_signals=False) as c:
                     assert c.resume() == 8
-                    c.close()
-                    s.close()
-                return go
+
+            def ours_deep() -> None:
+                s = CheckpointStore.open(url, "row4", identity=IDENTITY)
+                c = Checkpointer(s, {"model": model, "optimizer": opt}, async_save=False, handle_signals=False)
+                assert c.resume() == 8
+                c.close()
+                s.close()
 
             def hash_floor() -> None:
                 h = blake3.blake3()
@@ -85,8 +88,8 @@ def run(cfg: Config) -> list[Row]:
                 "fresh-memory read, then BLAKE3 (no overlap)": timed(fresh_read_hash, check=False),
                 "raw read": timed(lambda: (read_file(raw), None)[1], check=False),
                 "BLAKE3 in memory": timed(hash_floor, check=False),
-                "ckptstore open+resume (deep verify at open)": timed(ours("deep")),
-                "ckptstore open+resume (resume_verify=cheap)": timed(ours("cheap")),
+                "ckptstore Checkpointer.open+resume (default, one pass)": timed(ours_default),
+                "ckptstore CheckpointStore.open (deep) + resume": timed(ours_deep),
                 "torch.load+load_state_dict": timed(lambda: ts.torch_load(tpath, model, opt)),
                 "dcp.load+load_state_dict": timed(lambda: ts.dcp_load(dpath, model, opt)),
             }

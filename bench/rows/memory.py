@@ -1,6 +1,6 @@
 """Row 7: peak memory of a save and of a restore, over state size.
 
-Each measurement runs in a fresh interpreter (``python -m bench.row7_memory
+Each measurement runs in a fresh interpreter (``python -m bench.rows.memory
 child OP BYTES DIR``): it builds the live state, resets the RSS high-water
 mark (``/proc/self/clear_refs`` 5), performs one operation and reports
 ``VmHWM`` minus the RSS before it: the memory the operation added at its peak
@@ -96,9 +96,9 @@ def run(cfg: Config) -> list[Row]:
     rows = []
     for nbytes in sorted({max(cfg.size // 4, 16 << 20), cfg.size}):
         with scratch(cfg.disk_dir, "bench-row7-") as d:
-            run_child(["-W", "ignore", "-m", "bench.row7_memory", "prepare", str(nbytes), d])
+            run_child(["-W", "ignore", "-m", "bench.rows.memory", "prepare", str(nbytes), d])
             for kind, ops in (("save", SAVES), ("restore", RESTORES)):
-                res = {op: run_child(["-W", "ignore", "-m", "bench.row7_memory", "child", op, str(nbytes), d]) for op in ops}
+                res = {op: run_child(["-W", "ignore", "-m", "bench.rows.memory", "child", op, str(nbytes), d]) for op in ops}
                 state = next(iter(res.values()))["state_mib"]
                 row = Row("7", f"peak memory of a {kind}, {human(state * 2**20)} state", "MiB",
                           Measure("state size", [state]), [Measure(op, [r["extra_mib"]]) for op, r in res.items()],

@@ -1,7 +1,7 @@
 """Save+commit of N MiB to each loopback object store next to a plain upload of
 the same bytes with the same client (s3fs / gcsfs ``open(..., "wb")``).
 
-    ./dev bench save_object [--mib 256] [--repeat 3] [--servers seaweedfs,moto,fakegcs]
+    ./dev bench study save_object [--mib 256] [--repeat 3] [--servers seaweedfs,moto,fakegcs]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ckptstore import CheckpointStore  # noqa: E402
 from ckptstore.backends.fsspec_base import PART_SIZE  # noqa: E402

@@ -1,0 +1,62 @@
+"""The first async save's host buffers are allocated off the training loop
+(issue 23 item 2): ``HostBuffers.prepare_for`` allocates and touches a buffer
+for every tensor the objects hold, in a background thread, and the save's copy
+then lands in those buffers with the live values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ckptstore.torch import Checkpointer
+from ckptstore.torch.codec import flatten
+from ckptstore.torch.state import HostBuffers
+
+IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "r", "feature_contract": "f"}
+
+
+def _objects() -> dict[str, torch.nn.Module | torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt}
+
+
+def test_prepared_buffers_are_the_ones_the_copy_fills() -> None:
+    objs = _objects()
+    bufs = HostBuffers()
+    th = bufs.prepare_for(objs)
+    assert th is not None
+    th.join(30)
+    assert bufs.prepare_for(objs) is None  # everything has a buffer: nothing left to allocate
+    tensors = flatten(objs["model"].state_dict()).tensors
+    key = sorted(tensors)[0]
+    first = bufs.copy("model", key, tensors[key])
+    assert torch.equal(first, tensors[key])
+    assert bufs.copy("model", key, tensors[key]).data_ptr() == first.data_ptr()  # reused, not reallocated
+
+
+def test_a_buffer_of_another_shape_is_replaced_by_the_copy() -> None:
+    bufs = HostBuffers()
+    th = bufs.prepare_for({"x": {"t": torch.zeros(4)}})
+    assert th is not None
+    th.join(30)
+    out = bufs.copy("x", "t", torch.arange(6.0))
+    assert torch.equal(out, torch.arange(6.0))
+
+
+def test_an_async_checkpointer_saves_the_live_values_after_resume(tmp_path: Path) -> None:
+    objs = _objects()
+    with Checkpointer.open(tmp_path, "run", IDENT, objs, handle_signals=False) as ck:
+        assert ck.resume() == 0  # buffers prepared in the background here
+        ck.save(1)
+        ck.wait()
+    live = _objects()
+    with torch.no_grad():
+        live["model"].weight.add_(3.0)  # type: ignore[union-attr, operator]
+    with Checkpointer.open(tmp_path, "run", IDENT, live, handle_signals=False) as ck:
+        assert ck.resume() == 2
+    assert torch.equal(live["model"].weight, objs["model"].weight)  # type: ignore[union-attr, arg-type]

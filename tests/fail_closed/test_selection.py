@@ -41,7 +41,7 @@ from ckptstore.core import catalog
 from ckptstore.errors import LimitReachedError, ResumeRefusedError
 from ckptstore.protocol import LATEST_LAYOUT, attempts_prefix, commits_prefix, saves_prefix
 from ckptstore.protocol.selection import MAX_CANDIDATES, SkipReason
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import RawAccess
 
 IDENT = {"data_digest": "fc-data", "code_digest": "fc-code"}
 #: the object stores: a key is at most 1,024 bytes, so their chains are shallower (still past the bound)

@@ -23,8 +23,8 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.fsspec_base import FsspecBackend
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.backends.schemes import backend_from_url
-from ckptstore.testing.raw import RawAccess
 from ckptstore.testing.wireproxy import WireProxy
+from tests.helpers import RawAccess
 
 backend_kinds = ["moto", "fakegcs"]
 

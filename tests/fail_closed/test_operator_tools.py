@@ -33,9 +33,8 @@ from ckptstore.ops.budget import Budget
 from ckptstore.ops.events import CLOCK_SKEW_S, validate_events
 from ckptstore.ops.report import build_record
 from ckptstore.protocol.auth import Keyring
-from tests.helpers import RawAccess
+from tests.helpers import IDENT, RawAccess
 
-IDENT = {"data_digest": "d-1", "code_digest": "c-1"}
 KEY_HEX = "5a" * 32
 K1 = Keyring({"k1": bytes.fromhex(KEY_HEX)})
 OPS_BACKENDS = pytest.mark.backends("memory", "local", "moto", "fakegcs")

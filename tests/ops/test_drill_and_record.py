@@ -13,8 +13,7 @@ from ckptstore.ops.budget import Budget, account, compare_costs, young_daly_inte
 from ckptstore.ops.decision import Action, plan_resume
 from ckptstore.ops.report import build_record, render_table, render_timeline_svg
 from ckptstore.protocol import AttemptRecord
-
-IDENT = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
+from tests.helpers import IDENT
 
 
 def ev(at: float, attempt: int, kind: str, **payload):  # type: ignore[no-untyped-def]

@@ -22,27 +22,7 @@ from ckptstore import (
 )
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
-
-IDENT = {
-    "data_digest": "data-47",
-    "code_digest": "code-82",
-    "optimizer_revision": "adam-r3",
-    "feature_contract": "receipt-v4",
-    "world_size": 1,
-}
-
-
-def blob(step: int, name: str, size: int = 3000) -> bytes:
-    seed = f"{step}:{name}:".encode()
-    return (seed * (size // len(seed) + 1))[:size]
-
-
-def save(store: CheckpointStore, step: int, names=("model", "optim"), size: int = 3000):  # type: ignore[no-untyped-def]
-    with store.save(step) as s:
-        for n in names:
-            s.put(n, blob(step, n, size))
-    assert s.ref is not None
-    return s.ref
+from tests.helpers import IDENT, blob, save
 
 
 @pytest.fixture

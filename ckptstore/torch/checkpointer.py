@@ -174,7 +174,6 @@ class Checkpointer:
         )
         self._retain_lock = threading.Lock()
         self._last_save_time = time.monotonic()
-        self._last_saved_step: int | None = None
         self._last_scheduled_step: int | None = None
         self._preempted = threading.Event()
         self._old_handlers: dict[int, Any] = {}
@@ -280,7 +279,6 @@ class Checkpointer:
             for n, p in self.model.named_parameters():
                 if n in grads:
                     p.grad = grads[n].to(p.device).clone()
-        self._last_saved_step = ref.step
         self._arm_loaders(saved, restore_rng_state)
         if self.record_events:
             self.store.record_event("resume", {"resumed_from": ref.step, "save_id": ref.save_id})
@@ -370,7 +368,6 @@ class Checkpointer:
         ref = write_snapshot(self.store, step, snap, metadata=md, before_publish=in_order)
         took = time.perf_counter() - t0
         self._last_save_time = time.monotonic()
-        self._last_saved_step = step
         info = {"step": step, "seconds": round(took, 4), "bytes": ref.total_bytes, "save_id": ref.save_id}
         self.saves.append(info)
         if self.record_events:

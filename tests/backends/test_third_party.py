@@ -12,12 +12,11 @@ from collections.abc import Iterable
 
 import pytest
 
-from ckptstore import CheckpointStore
 from ckptstore.backends import Backend, ObjectInfo
 from ckptstore.backends.base import Buffer, check_depth, check_key, only_flat
 from ckptstore.errors import NotFoundError
 from ckptstore.testing import BackendConformance
-from tests.helpers import IDENT, save
+from tests.helpers import open_reader, open_writer, save
 
 
 class DictBackend(Backend):
@@ -95,10 +94,10 @@ class TestDictBackendConformance(BackendConformance):
 def test_a_store_saves_and_selects_on_the_third_party_backend() -> None:
     objects: dict[str, tuple[bytes, float]] = {}
     lock = threading.Lock()
-    st = CheckpointStore.open(DictBackend(objects, lock), "run", identity=IDENT)
+    st = open_writer(DictBackend(objects, lock))
     save(st, 1)
     ref = save(st, 2)
-    again = CheckpointStore.open(DictBackend(objects, lock), "run", mode="r")
+    again = open_reader(DictBackend(objects, lock))
     assert again.latest_complete(deep=True).save_id == ref.save_id
 
 

@@ -74,7 +74,7 @@ def test_admission_and_young_daly() -> None:
         Budget(limit_gpu_hours=0)
 
 
-def test_record_renders(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_run_record_renders_as_table_and_timeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
     b = MemoryBackend()
     st = CheckpointStore.open(b, "r", identity={**IDENT, "planned_steps": 3})  # no plan: "unconfirmed" (§4.9)
     for step in range(3):

@@ -84,6 +84,25 @@ class CheckpointStore:
     Thread safety: one store may be shared by threads; each ``save()`` is
     independent. Across processes, every guarantee rests on the backend's
     atomic create-if-absent.
+
+    The methods, by who calls them:
+
+    * **Everyday** (training code): :meth:`open`, :meth:`save` (a context
+      manager: put components, leave the block to commit), :meth:`latest_complete`
+      (the resume point), :attr:`resumed_from`, :meth:`get_save`; reading a save
+      back: :meth:`read` (one component's bytes, verified), :meth:`read_into`
+      (straight into caller memory, hashed while read: the restore path),
+      :meth:`iter_read`, :meth:`read_range`, :meth:`read_verified_range`,
+      :meth:`component`; :meth:`close`.
+    * **Operator** (the command line, dashboards, clean-up jobs):
+      :meth:`list_saves`, :meth:`verify`, :meth:`gc`, :meth:`leftovers`,
+      :meth:`sign`, :attr:`auth_policy`, :meth:`attempts`, :attr:`run_record`,
+      :meth:`events`, :meth:`record_event`, :meth:`lineage_of`, :meth:`fall_back`.
+    * **Multi-process** (a coordinator publishing for many writers, as
+      :mod:`ckptstore.distributed` does): :meth:`new_save_id`, :meth:`stage`
+      (write components without publishing), :meth:`publish` (one commit record
+      for components written by several processes); the other processes join
+      the coordinator's attempt with ``open(..., join_attempt=N)``.
     """
 
     def __init__(self, backend: Backend, run_id: str, options: OpenOptions | None = None) -> None:

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..errors import StoreUnavailableError, TransientError
+from ..errors import TransientError
 from .base import Backend, Buffer, ObjectInfo
 
 
@@ -316,14 +316,6 @@ class FaultyBackend(Backend):
 
     def close(self) -> None:
         self.inner.close()
-
-
-def io_error(msg: str = "injected I/O error") -> StoreUnavailableError:
-    return StoreUnavailableError(msg)
-
-
-def enospc() -> StoreUnavailableError:
-    return StoreUnavailableError("injected: no space left on device")
 
 
 def transient(msg: str = "injected 503 Slow Down") -> TransientError:

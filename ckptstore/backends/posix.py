@@ -14,6 +14,7 @@ import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
+from ..util import files as durable
 from .base import MAX_KEY_DEPTH, Buffer, too_deep
 
 
@@ -157,10 +158,12 @@ class PosixOps:
 
     def fsync_dir(self, path: str) -> None:
         parts = self._below(path)
-        if parts is None:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
-        else:
-            fd = self._open_dir(parts, path)
+        if parts is None:  # above the store's root: by name, as everywhere else
+            durable.fsync_dir(path)
+            return
+        # below the root: through the no-follow chain of directory descriptors, so a
+        # directory swapped for a link is never resolved (util.files works by name)
+        fd = self._open_dir(parts, path)
         try:
             os.fsync(fd)
         finally:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import secrets
 import threading
 import time
@@ -45,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CkptStoreError
+from ..errors import CkptStoreError, CorruptionError
+from ..protocol.canonical import canonical_json, decode_json
 from ..shims.torch_private import default_store
 
 _POLL = 0.02
@@ -57,6 +57,8 @@ DEAD_AFTER_ALERT = 5.0
 #: at most this many keys of a rank are recorded as live (older ones are deleted first)
 _MAX_LIVE = 64
 _MAX_LIVE_RECORD = 64 * 1024
+#: the largest message a rank accepts from another (an inventory of many components fits)
+MAX_MESSAGE_BYTES = 64 * 2**20
 
 # The live keys of this process's channels, per key base and nonce (two
 # channels of one process may share a base: the same run ID opened twice).
@@ -82,11 +84,17 @@ class CoordinatorLostError(ChannelError):
 
 
 def encode(payload: Mapping[str, Any]) -> bytes:
-    return json.dumps(dict(payload), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    """A message's bytes: the canonical JSON of :mod:`ckptstore.protocol.canonical`."""
+    return canonical_json(dict(payload))
 
 
 def decode(data: bytes) -> dict[str, Any]:
-    obj = json.loads(data.decode("utf-8"))
+    """A message read from the rendezvous store, decoded with the strict, bounded
+    decoder (at most :data:`MAX_MESSAGE_BYTES`); anything else is a :class:`ChannelError`."""
+    try:
+        obj = decode_json(data, where="message between ranks", max_bytes=MAX_MESSAGE_BYTES)
+    except CorruptionError as exc:
+        raise ChannelError(str(exc)) from None
     if not isinstance(obj, dict):
         raise ChannelError("message is not a JSON object")
     return obj
@@ -118,11 +126,9 @@ def agree_nonce(group: dist.ProcessGroup | None, src: int) -> str:
 
 def _parse_live(data: bytes, base: str) -> dict[str, list[str]]:
     """A stored live-key record, strictly: junk yields nothing to delete."""
-    if len(data) > _MAX_LIVE_RECORD:
-        return {}
     try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        obj = decode_json(data, where="live-key record", max_bytes=_MAX_LIVE_RECORD)
+    except CorruptionError:
         return {}
     if not isinstance(obj, dict):
         return {}

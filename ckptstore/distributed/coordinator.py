@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -45,14 +46,31 @@ from .agreement import FlagAgreement, PeerLostError
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after
 
-#: Test hooks: name -> callable run at that point on the coordinator
-#: ("before_gather", "before_publish", "after_publish"). Tests install a
-#: SIGKILL here; nothing in the library sets them.
-HOOKS: dict[str, Callable[[], None]] = {}
+#: The points of a distributed save at which an :func:`at_phase` callback runs, on the coordinator.
+PHASES = ("before_gather", "before_publish", "after_publish")
+_AT_PHASE: dict[str, Callable[[], None]] = {}
 
 
-def _hook(name: str) -> None:
-    fn = HOOKS.get(name)
+def at_phase(phase: str, callback: Callable[[], None] | None) -> None:
+    """Run ``callback`` on the coordinator each time a distributed save of this
+    process reaches ``phase``: ``"before_gather"`` (its own components written,
+    the ranks' inventories not yet gathered), ``"before_publish"`` (every
+    inventory checked, the commit record not yet created) or ``"after_publish"``
+    (the commit record created, the ranks not yet told). None removes it.
+
+    The seam for fault-injection tests and drills (a SIGKILL at that point);
+    ckptstore installs no callback itself. An unknown phase is an
+    :class:`~ckptstore.errors.InvalidInputError`."""
+    if phase not in PHASES:
+        raise InvalidInputError(f"at_phase: unknown phase {phase!r}; the phases are {', '.join(PHASES)}")
+    if callback is None:
+        _AT_PHASE.pop(phase, None)
+    else:
+        _AT_PHASE[phase] = callback
+
+
+def _reached(phase: str) -> None:
+    fn = _AT_PHASE.get(phase)
     if fn is not None:
         fn()
 
@@ -193,7 +211,7 @@ class DistributedSave:
         ref: SaveRef | None = None
         alive = list(range(1, ch.world_size))
         try:
-            _hook("before_gather")
+            _reached("before_gather")
             try:
                 invs = ch.gather(self._tag, "inventory", timeout=self.timeout)
             except RanksFailedError as exc:
@@ -223,11 +241,11 @@ class DistributedSave:
                     comps[n] = P.ComponentEntry(n, int(size), str(digest))
                     names.append(n)
                 ranks[r] = sorted(names)
-            _hook("before_publish")
+            _reached("before_publish")
             ref = store.publish(
                 self.step, self.save_id, comps, metadata=self.metadata, ranks=ranks, world_size=ch.world_size
             )
-            _hook("after_publish")
+            _reached("after_publish")
             outcome: dict[str, Any] = {"ok": True, "ref": ref.to_json()}
         except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
             err = exc
@@ -309,75 +327,94 @@ def open_distributed(
     """
     ch = Channel(group, timeout=timeout, name=P.validate_run_id(run_id))
     try:
-        return _open_on(ch, url, run_id, identity, timeout, save_timeout, storage_options, resume_from, resume_verify,
-                        reshard, retry)
+        args = _OpenArgs(url, run_id, _identity_dict(identity), timeout, save_timeout, storage_options, resume_from,
+                         resume_verify, reshard, retry)
+        tag = ch.next()
+        ch.post(tag, "hello", {"identity_digest": identity_digest(args.identity)})
+        if ch.is_coordinator:
+            return _open_as_coordinator(ch, tag, args)
+        return _open_as_member(ch, tag, args)
     except BaseException:
         ch.close()  # stop its heartbeat
         raise
 
 
-def _open_on(  # noqa: PLR0913 - open_distributed's arguments, in order
-    ch: Channel, url: str | os.PathLike[str], run_id: str, identity: RunIdentity | Mapping[str, Any],
-    timeout: float, save_timeout: float, storage_options: Mapping[str, Any] | None,
-    resume_from: int | None | Literal["latest"], resume_verify: Literal["deep", "cheap"], reshard: bool,
-    retry: RetryPolicy | None,
-) -> DistributedRun:
-    ident = _identity_dict(identity)
-    tag = ch.next()
-    ch.post(tag, "hello", {"identity_digest": identity_digest(ident)})
-    if ch.is_coordinator:
-        store: CheckpointStore | None = None
-        resharded: dict[str, Any] | None = None
-        err: BaseException | None = None
-        try:
-            hellos = ch.gather(tag, "hello")
-            other = sorted(r for r, h in hellos.items() if h.get("identity_digest") != identity_digest(ident))
-            if other:
-                raise InvalidInputError(
-                    f"run {run_id!r}: rank(s) {', '.join(map(str, other))} opened it with another identity than rank 0"
-                )
-            store, resharded = _coordinator_open(
-                url, run_id, ident, ch.world_size, storage_options=storage_options, resume_from=resume_from,
-                resume_verify=resume_verify, reshard=reshard, retry=retry,
+@dataclass(frozen=True)
+class _OpenArgs:
+    """:func:`open_distributed`'s arguments, as both roles' steps read them."""
+
+    url: str | os.PathLike[str]
+    run_id: str
+    identity: dict[str, Any]
+    timeout: float
+    save_timeout: float
+    storage_options: Mapping[str, Any] | None
+    resume_from: int | None | Literal["latest"]
+    resume_verify: Literal["deep", "cheap"]
+    reshard: bool
+    retry: RetryPolicy | None
+
+
+def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
+    """Rank 0: check every rank's identity, open the run (bind, register the
+    attempt, choose the resume point), tell the ranks, wait until each joined."""
+    store: CheckpointStore | None = None
+    resharded: dict[str, Any] | None = None
+    err: BaseException | None = None
+    try:
+        hellos = ch.gather(tag, "hello")
+        mine = identity_digest(a.identity)
+        other = sorted(r for r, h in hellos.items() if h.get("identity_digest") != mine)
+        if other:
+            raise InvalidInputError(
+                f"run {a.run_id!r}: rank(s) {', '.join(map(str, other))} opened it with another identity than rank 0"
             )
-            assert store.attempt is not None
-            outcome: dict[str, Any] = {
-                "ok": True, "attempt": store.attempt.number, "identity": store.identity,
-                "resumed_from": (store.resumed_from.to_json() if store.resumed_from else None), "resharded": resharded,
-            }
-        except Exception as exc:  # noqa: BLE001
-            err = exc
-            outcome = {"ok": False, "error": error_to_json(exc)}
-        ch.post(tag, "outcome", outcome)
-        if err is not None:
-            raise err
-        assert store is not None
-        try:
-            joined = ch.gather(tag, "joined", ranks=range(1, ch.world_size))
-            bad = {r: j["error"] for r, j in sorted(joined.items()) if not j.get("ok")}
-            if bad:
-                raise error_from_json(next(iter(bad.values())))
-            ready: dict[str, Any] = {"ok": True}
-        except Exception as exc:
-            ready = {"ok": False, "error": error_to_json(exc)}
-            ch.post(tag, "ready", ready)
-            store.close()
-            raise
+        store, resharded = _coordinator_open(
+            a.url, a.run_id, a.identity, ch.world_size, storage_options=a.storage_options, resume_from=a.resume_from,
+            resume_verify=a.resume_verify, reshard=a.reshard, retry=a.retry,
+        )
+        assert store.attempt is not None
+        outcome: dict[str, Any] = {
+            "ok": True, "attempt": store.attempt.number, "identity": store.identity,
+            "resumed_from": (store.resumed_from.to_json() if store.resumed_from else None), "resharded": resharded,
+        }
+    except Exception as exc:  # noqa: BLE001
+        err = exc
+        outcome = {"ok": False, "error": error_to_json(exc)}
+    ch.post(tag, "outcome", outcome)
+    if err is not None:
+        raise err
+    assert store is not None
+    try:
+        joined = ch.gather(tag, "joined", ranks=range(1, ch.world_size))
+        bad = {r: j["error"] for r, j in sorted(joined.items()) if not j.get("ok")}
+        if bad:
+            raise error_from_json(next(iter(bad.values())))
+        ready: dict[str, Any] = {"ok": True}
+    except Exception as exc:
+        ready = {"ok": False, "error": error_to_json(exc)}
         ch.post(tag, "ready", ready)
-        return DistributedRun(store, ch, resharded=resharded, save_timeout=save_timeout)
-    # ------------------------------------------------------------- members
+        store.close()
+        raise
+    ch.post(tag, "ready", ready)
+    return DistributedRun(store, ch, resharded=resharded, save_timeout=a.save_timeout)
+
+
+def _open_as_member(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
+    """Any other rank: wait for the coordinator's outcome, join its attempt,
+    report, and wait until every rank joined."""
     # Members wait longer than the coordinator's own deadlines, so a coordinator
     # that gives up on a rank still reaches everyone else with its answer; the
     # coordinator's open includes the deep check of the resume point (every
     # byte re-hashed), which is bounded by save_timeout like a save.
-    outcome = ch.receive(tag, "outcome", timeout=2 * timeout + save_timeout)
+    outcome = ch.receive(tag, "outcome", timeout=2 * a.timeout + a.save_timeout)
     if not outcome.get("ok"):
         raise error_from_json(outcome["error"])
     member: CheckpointStore | None = None
     try:
         member = CheckpointStore.open(
-            url, run_id, identity=outcome["identity"], join_attempt=int(outcome["attempt"]),
-            storage_options=storage_options, retry=retry,
+            a.url, a.run_id, identity=outcome["identity"], join_attempt=int(outcome["attempt"]),
+            storage_options=a.storage_options, retry=a.retry,
         )
         if outcome["resumed_from"] is not None and member.resumed_from is None:
             member.resumed_from = _ref_from_json(member, outcome["resumed_from"])
@@ -387,11 +424,11 @@ def _open_on(  # noqa: PLR0913 - open_distributed's arguments, in order
         if member is not None:
             member.close()
         raise
-    ready = ch.receive(tag, "ready", timeout=2 * timeout)
+    ready = ch.receive(tag, "ready", timeout=2 * a.timeout)
     if not ready.get("ok"):
         member.close()
         raise error_from_json(ready["error"])
-    return DistributedRun(member, ch, resharded=outcome.get("resharded"), save_timeout=save_timeout)
+    return DistributedRun(member, ch, resharded=outcome.get("resharded"), save_timeout=a.save_timeout)
 
 
 def _coordinator_open(

@@ -63,6 +63,7 @@ from ..errors import (
 )
 from ..protocol import canonical_json, decode_json, validate_component_name
 from ..store import CheckpointStore, SaveRef
+from ..util import files as durable
 from .hf_files import CheckpointTree, checkpoint_step, write_tree
 
 FORMAT = "ckptstore.hf/1"
@@ -272,14 +273,6 @@ def _in_the_way(name: str, step: int) -> bool:
     return value > step or (value == step and checkpoint_step(name) != step)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _set_aside(d: Path, stamp: str) -> Path:
     aside = d.with_name(f"{d.name}.incomplete-{stamp}")
     os.replace(d, aside)  # renames the entry itself: a link is moved, never followed
@@ -370,13 +363,12 @@ def _restore(
                 raise
             if os.path.lexists(target):
                 _set_aside(target, stamp)
-            os.replace(out / tmp, target)
-            _fsync_dir(out)
+            durable.replace_durably(out / tmp, target)
         if set_aside_newer:
             with os.scandir(out) as it:
                 newer = [e.name for e in it if _in_the_way(e.name, ref.step) and (e.is_dir(follow_symlinks=False) or e.is_symlink())]
             for name in newer:
                 _set_aside(out / name, stamp)
-            _fsync_dir(out)
+            durable.fsync_dir(out)
         return str(target)
     return None

@@ -261,6 +261,7 @@ def write_tree(parent: str | os.PathLike[str], name: str, files: Iterable[tuple[
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        # fsync through the descriptors opened without following a link (util.files works by name)
         for fd in dirs.values():
             os.fsync(fd)
     finally:

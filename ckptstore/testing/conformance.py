@@ -1,52 +1,145 @@
 """The backend conformance suite, written once (the zarr ``StoreTests`` idea).
 
-Subclass :class:`BackendConformance` in a pytest module and provide a
-``backend`` fixture that yields a fresh, empty backend (a unique prefix is
-enough). Every backend ckptstore ships runs exactly this class. Tests compare
-the backend with ground truth through :class:`~ckptstore.testing.raw.RawAccess`,
-which reads and writes the storage without the backend's own methods.
+Subclass :class:`BackendConformance` in a pytest module, give it a
+``backend`` fixture that returns a fresh, empty backend (a unique prefix is
+enough), and tell it how to reach the storage underneath without the
+backend's own methods: override :meth:`~BackendConformance.set_raw`,
+:meth:`~BackendConformance.get_raw` and :meth:`~BackendConformance.delete_raw`
+(or return a :class:`~ckptstore.testing.raw.RawStorage` from a
+``raw_storage`` fixture, as ckptstore's own backends do). Every backend
+ckptstore ships runs exactly this class; how to write one is in
+:mod:`ckptstore.testing`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from ..backends.base import MAX_KEY_DEPTH, Backend
 from ..errors import LimitReachedError, NotFoundError
-from .raw import RawAccess
+from .raw import RawStorage
+
+
+def race_create_round(
+    backend: Backend, create: Callable[[str, bytes], bool], key: str, *, exclusive: bool = True, writers: int = 8
+) -> tuple[str, list[bool | None]] | None:
+    """One round of ``writers`` threads calling ``create(key, b"writer-<i>")`` at
+    the same moment; None when the round kept the create-if-absent promise (at
+    least one winner, the stored bytes a winner's, and with ``exclusive`` exactly
+    one winner), else ``(key, each thread's answer)`` to report."""
+    results: list[bool | None] = [None] * writers
+    barrier = threading.Barrier(writers)
+
+    def go(i: int) -> None:
+        barrier.wait()
+        results[i] = create(key, f"writer-{i}".encode())
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(writers)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    winners = [i for i, ok in enumerate(results) if ok]
+    ok = bool(winners) and backend.get(key) in {f"writer-{i}".encode() for i in winners}
+    if exclusive:
+        ok = ok and len(winners) == 1
+    return None if ok else (key, results)
 
 
 class BackendConformance:
-    """Behaviour every :class:`Backend` must show. Needs a ``backend`` fixture."""
+    """Behaviour every :class:`Backend` must show.
+
+    Needs a ``backend`` fixture. The storage underneath is reached through
+    :meth:`set_raw`, :meth:`get_raw` and :meth:`delete_raw`; override them (a
+    third-party backend, with its private access), or override the
+    ``raw_storage`` fixture to return a :class:`~ckptstore.testing.raw.RawStorage`
+    (ckptstore's own backends: the fixture knows which backend it made and
+    picks :class:`~ckptstore.testing.raw.MemoryRaw`, ``LocalRaw``, ...).
+
+    Capability flags, both fixtures to override: ``create_is_atomic_under_races``
+    (default True; answer False only for a test double whose conditional write
+    is not atomic, such as moto: the race test then asserts what still holds,
+    at least one winner and a winner's bytes stored, instead of exactly one
+    winner) and ``race_rounds`` (how many rounds of 8 racing creates; default 3).
+    """
+
+    @pytest.fixture
+    def raw_storage(self) -> RawStorage | None:
+        """Direct access to the storage under ``backend``; None: the raw methods are overridden."""
+        return None
+
+    @pytest.fixture(autouse=True)
+    def _bind_raw_storage(self, raw_storage: RawStorage | None) -> None:
+        self._raw = raw_storage
+
+    @pytest.fixture
+    def create_is_atomic_under_races(self) -> bool:
+        """Whether ``create`` gives exactly one winner to concurrent callers (PROTOCOL.md §7.1)."""
+        return True
+
+    @pytest.fixture
+    def race_rounds(self) -> int:
+        """Rounds of the racing-create test."""
+        return 3
+
+    def _raw_storage(self) -> RawStorage:
+        raw: RawStorage | None = getattr(self, "_raw", None)
+        if raw is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: the conformance suite needs direct access to the storage under the "
+                "backend: override set_raw, get_raw and delete_raw (or return a RawStorage from a raw_storage "
+                "fixture); see ckptstore.testing"
+            )
+        return raw
+
+    def set_raw(self, backend: Backend, key: str, data: bytes) -> None:
+        """Store ``data`` at ``key`` straight on the storage (replacing), as if another
+        program wrote it: the backend's own methods are not used."""
+        self._raw_storage().set(key, data)
+
+    def get_raw(self, backend: Backend, key: str) -> bytes | None:
+        """The bytes really stored at ``key``, or None if nothing is, read past the backend."""
+        return self._raw_storage().get(key)
+
+    def delete_raw(self, backend: Backend, key: str) -> None:
+        """Remove whatever is stored at ``key`` (nothing if absent), past the backend."""
+        self._raw_storage().delete(key)
 
     def test_put_lands_as_ground_truth(self, backend: Backend) -> None:
         backend.put("g/t/obj", [b"abc", b"def"])
-        assert RawAccess(backend).get("g/t/obj") == b"abcdef"
+        assert self.get_raw(backend, "g/t/obj") == b"abcdef"
 
     def test_planted_object_is_seen(self, backend: Backend) -> None:
-        RawAccess(backend).set("g/planted", b"xyz")
+        self.set_raw(backend, "g/planted", b"xyz")
         assert backend.get("g/planted") == b"xyz"
         assert backend.size("g/planted") == 3
         assert [o.key for o in backend.list("g/")] == ["g/planted"]
 
     def test_create_never_replaces_a_planted_object(self, backend: Backend) -> None:
-        RawAccess(backend).set("g/rec", b"theirs")
+        self.set_raw(backend, "g/rec", b"theirs")
         assert backend.create("g/rec", b"ours") is False
-        assert RawAccess(backend).get("g/rec") == b"theirs"
+        assert self.get_raw(backend, "g/rec") == b"theirs"
 
     def test_get_range_is_bounded(self, backend: Backend) -> None:
-        RawAccess(backend).set("g/big", b"x" * 5000)
+        self.set_raw(backend, "g/big", b"x" * 5000)
         assert backend.get_range("g/big", 0, 11) == b"x" * 11
         assert backend.get_range("g/big", 4990, 6000) == b"x" * 10
         assert backend.get_range("g/big", 6000, 6001) == b""
 
     def test_delete_removes_ground_truth(self, backend: Backend) -> None:
-        RawAccess(backend).set("g/d", b"1")
+        self.set_raw(backend, "g/d", b"1")
         backend.delete("g/d")
-        assert RawAccess(backend).get("g/d") is None
+        assert self.get_raw(backend, "g/d") is None
+
+    def test_object_removed_behind_the_backend_is_missing(self, backend: Backend) -> None:
+        backend.put("g/gone", [b"1"])
+        self.delete_raw(backend, "g/gone")
+        assert not backend.exists("g/gone") and backend.list("g/") == []
+        with pytest.raises(NotFoundError):
+            backend.get("g/gone")
 
     def test_object_of_several_parts(self, backend: Backend) -> None:
         """Larger than two 16 MiB upload parts, fed in odd-sized chunks."""
@@ -55,7 +148,7 @@ class BackendConformance:
         chunks = [data[i : i + 3_000_001] for i in range(0, len(data), 3_000_001)]
         backend.put("big/obj", chunks)
         assert backend.size("big/obj") == len(data)
-        assert RawAccess(backend).get("big/obj") == data
+        assert self.get_raw(backend, "big/obj") == data
         assert backend.get_range("big/obj", 16 * 2**20 - 5, 16 * 2**20 + 5) == data[16 * 2**20 - 5 : 16 * 2**20 + 5]
 
     def test_incomplete_hooks_are_safe_on_an_empty_prefix(self, backend: Backend) -> None:
@@ -131,36 +224,17 @@ class BackendConformance:
         assert backend.create("c/rec.json", b"second") is False
         assert backend.get("c/rec.json") == b"first"
 
-    def create_is_exclusive_under_races(self, request: pytest.FixtureRequest) -> bool:
-        """Whether the server behind ``backend`` gives an atomic create-if-absent under
-        concurrent requests. Override to answer False for a test double that does not
-        (moto checks ``If-None-Match`` and stores without a lock): the race test then
-        asserts what still holds — at least one winner, and the stored bytes are a
-        winner's — instead of "exactly one"."""
-        return True
-
-    def test_create_racing_threads_one_winner(self, backend: Backend, request: pytest.FixtureRequest) -> None:
-        n = 8
-        results: list[tuple[int, bool]] = []
-        barrier = threading.Barrier(n)
-        lock = threading.Lock()
-
-        def go(i: int) -> None:
-            barrier.wait()
-            ok = backend.create("race/commit.json", f"writer-{i}".encode())
-            with lock:
-                results.append((i, ok))
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        winners = [i for i, ok in results if ok]
-        assert winners, results
-        if self.create_is_exclusive_under_races(request):
-            assert len(winners) == 1, results
-        assert backend.get("race/commit.json") in {f"writer-{i}".encode() for i in winners}, results
+    def test_racing_creates_have_one_winner_each_round(
+        self, backend: Backend, create_is_atomic_under_races: bool, race_rounds: int
+    ) -> None:
+        """8 threads create the same key at once, ``race_rounds`` times: each round one
+        winner (at least one where the server's create is not atomic), its bytes stored."""
+        violations = [
+            v for r in range(race_rounds)
+            if (v := race_create_round(backend, backend.create, f"race/{r:04d}.json",
+                                       exclusive=create_is_atomic_under_races))
+        ]
+        assert violations == []
 
     def test_failing_stream_leaves_no_object(self, backend: Backend) -> None:
         def gen() -> Iterator[bytes]:
@@ -191,7 +265,7 @@ class BackendConformance:
 
     def test_list_keys_is_list_after_start_after_up_to_limit(self, backend: Backend) -> None:
         for k in self.LISTED:
-            RawAccess(backend).set(k, k.encode())
+            self.set_raw(backend, k, k.encode())
         for prefix in ("p/", "p", "p/a/", "p/b", "missing/", "p/z/"):
             for start_after in ("", "p/", "p/a/1", "p/a/15", "p/b", "p/b00", "p/zz", "a", "z"):
                 for limit in (None, 0, 1, 2, 3, 100):
@@ -204,7 +278,7 @@ class BackendConformance:
             monkeypatch.setattr(backend, "list_page", 3)  # several requests per call
         keys = [f"pg/{i:03d}" for i in range(11)]
         for k in keys:
-            RawAccess(backend).set(k, b"1")
+            self.set_raw(backend, k, b"1")
         assert backend.list_keys("pg/") == keys
         assert backend.list_keys("pg/", limit=7) == keys[:7]
         assert backend.list_keys("pg/", start_after="pg/004", limit=5) == keys[5:10]
@@ -219,7 +293,7 @@ class BackendConformance:
         if hasattr(backend, "list_page"):
             monkeypatch.setattr(backend, "list_page", 2)  # pages made partly of folders
         for k in self.LISTED:
-            RawAccess(backend).set(k, k.encode())
+            self.set_raw(backend, k, k.encode())
         top = ["p/b", "p/b0", "p/c.json", "p/zz"]
         assert backend.list_keys("p/", flat=True) == top
         assert [o.key for o in backend.list("p/", flat=True)] == top
@@ -250,11 +324,10 @@ class BackendConformance:
         assert backend.list_keys("gk/a/") == []
 
     def test_get_many_is_get_range_of_each_key(self, backend: Backend) -> None:
-        raw = RawAccess(backend)
-        raw.set("gm/a", b"alpha")
-        raw.set("gm/sub/b", b"b" * 5000)
-        raw.set("gm/empty", b"")
-        raw.set("other/c", b"gamma")
+        self.set_raw(backend, "gm/a", b"alpha")
+        self.set_raw(backend, "gm/sub/b", b"b" * 5000)
+        self.set_raw(backend, "gm/empty", b"")
+        self.set_raw(backend, "other/c", b"gamma")
         keys = ["gm/a", "gm/missing", "gm/sub/b", "gm/empty", "other/c", "gm/sub", "nope/x", "gm/a"]
         assert backend.get_many(keys, 100) == [b"alpha", None, b"b" * 100, b"", b"gamma", None, None, b"alpha"]
         assert backend.get_many(["gm/sub/b"], 6000) == [b"b" * 5000]

@@ -291,7 +291,6 @@ class Checkpointer:
         )
         self._retain_lock = threading.Lock()
         self._last_save_time = time.monotonic()
-        self._last_saved_step: int | None = None
         self._last_scheduled_step: int | None = None
         self.saves: list[dict[str, Any]] = []
         self.last_blocking_seconds = 0.0
@@ -402,7 +401,6 @@ class Checkpointer:
             for n, p in self.model.named_parameters():
                 if n in grads:
                     p.grad = grads[n].to(p.device).clone()
-        self._last_saved_step = ref.step
         self._arm_loaders(saved, restore_rng_state)
         self._prepare_buffers()
         if self.record_events:
@@ -521,7 +519,6 @@ class Checkpointer:
         if self.metrics is not None:
             self.metrics.saved(step, took, ref.total_bytes)
         self._last_save_time = time.monotonic()
-        self._last_saved_step = step
         info = {"step": step, "seconds": round(took, 4), "bytes": ref.total_bytes, "save_id": ref.save_id}
         self.saves.append(info)
         if self.record_events:

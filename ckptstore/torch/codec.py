@@ -84,8 +84,6 @@ class Flattened:
     tree: Any
     #: tensor key -> tensor (CPU or device; the writer makes them contiguous CPU)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: keys of tensors that came from numpy arrays
-    numpy_keys: set[str] = field(default_factory=set)
 
 
 def flatten(state: Any, *, prefix: str = "", registry: TypeRegistry | None = None) -> Flattened:
@@ -129,7 +127,6 @@ def flatten(state: Any, *, prefix: str = "", registry: TypeRegistry | None = Non
         if isinstance(x, np.ndarray):
             t = torch.from_numpy(np.ascontiguousarray(x))
             k = tensor_key(t, path)
-            out.numpy_keys.add(k)
             return {"__np": k}
         if isinstance(x, np.generic):
             return walk(x.item(), path)

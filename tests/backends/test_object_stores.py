@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import threading
 import uuid
-from collections.abc import Callable
 
 import pytest
 
@@ -14,30 +12,13 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.schemes import backend_from_url as object_store_backend
 from ckptstore.cli.commands import main as cli_main
 from ckptstore.core.bounded_io import RunIO
-from tests.store.test_invariants import IDENT, save
+from ckptstore.testing.conformance import race_create_round
+from tests.backends.test_conformance import ATOMIC_CREATE
+from tests.helpers import IDENT, save
 
 backend_kinds = ["seaweedfs", "moto", "fakegcs"]
-# 200 rounds take ~12 s on moto and ~2 s on fake-gcs-server; SeaweedFS 4.48 makes
-# losing conditional PUTs wait whole seconds (1-3 s per round), so the default
-# suite runs fewer rounds there. CKPT_RACE_ROUNDS overrides for all servers.
-ROUNDS = {"seaweedfs": 8, "moto": 200, "fakegcs": 200}
 ROUNDS_READ_BACK = {"seaweedfs": 2, "moto": 50, "fakegcs": 50, "seaweedfs-obstore": 2, "moto-obstore": 50}
-
-
-#: Servers whose conditional PUT is atomic under concurrency, so a raw-backend race may assert
-#: "exactly one winner". moto is not among them: its ``put_object`` (moto/s3/responses.py)
-#: checks ``If-None-Match: *`` with a ``get_object`` and stores the object later, without a
-#: lock, in a threaded server, so two concurrent PUTs can both pass the check (seen on a busy
-#: machine: two winners in one round). AWS S3 itself is atomic; moto is a test double.
-ATOMIC_CREATE = ("seaweedfs", "fakegcs")
-
-
-@pytest.mark.backends(*ATOMIC_CREATE)
-def test_racing_creates_one_winner_each_round(backend, backend_kind) -> None:  # type: ignore[no-untyped-def]
-    """8 writers race to create the same commit key, many times: one winner, its body stored."""
-    rounds = int(os.environ.get("CKPT_RACE_ROUNDS", ROUNDS[backend_kind]))
-    violations = [v for r in range(rounds) if (v := race_round(backend, backend.create, f"race/{r:04d}.json"))]
-    assert violations == []
+# (the raw backend's racing creates are the conformance suite's test_racing_creates_have_one_winner_each_round)
 
 
 def test_racing_creates_through_the_read_back_always_name_the_stored_writer(backend, backend_kind) -> None:  # type: ignore[no-untyped-def]
@@ -54,37 +35,11 @@ def check_read_back_races(backend: Backend, backend_kind: str) -> None:
     io = RunIO(backend, "race-run")
     rounds = int(os.environ.get("CKPT_RACE_ROUNDS", ROUNDS_READ_BACK[backend_kind]))
     exclusive = backend_kind.removesuffix("-obstore") in ATOMIC_CREATE
-    violations = [
-        v for r in range(rounds)
-        if (v := race_round(backend, lambda k, data: io.create(k, data, what="commit record"), f"race-io/{r:04d}.json",
-                            exclusive=exclusive))
-    ]
+    def create(key: str, data: bytes) -> bool:
+        return io.create(key, data, what="commit record")
+
+    violations = [v for r in range(rounds) if (v := race_create_round(backend, create, f"race-io/{r:04d}.json", exclusive=exclusive))]
     assert violations == []
-
-
-def race_round(
-    backend: Backend, create: Callable[[str, bytes], bool], key: str, *, exclusive: bool = True
-) -> tuple[str, list[bool | None]] | None:
-    """One round of 8 threads creating ``key`` at once; None if the round kept its promise."""
-    n = 8
-    results: list[bool | None] = [None] * n
-    barrier = threading.Barrier(n)
-
-    def go(i: int) -> None:
-        barrier.wait()
-        results[i] = create(key, f"writer-{i}".encode())
-
-    ts = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    winners = [i for i, ok in enumerate(results) if ok]
-    stored = backend.get(key)
-    ok = bool(winners) and stored in {f"writer-{i}".encode() for i in winners}
-    if exclusive:
-        ok = ok and len(winners) == 1
-    return None if ok else (key, results)
 
 
 def test_open_by_url_with_storage_options(backend_kind, object_servers) -> None:  # type: ignore[no-untyped-def]

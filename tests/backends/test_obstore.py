@@ -18,30 +18,23 @@ from ckptstore.backends.schemes import backend_from_url
 from ckptstore.core.bounded_io import RunIO
 from ckptstore.errors import ExtraRequiredError, InvalidInputError, TransientError
 from ckptstore.retry import RetryPolicy
-from ckptstore.testing.conformance import BackendConformance
 from ckptstore.testing.wireproxy import Fault, Request, WireProxy
-from tests.backends.test_object_stores import ATOMIC_CREATE, check_read_back_races, race_round
-from tests.store.test_invariants import IDENT, save
+from tests.backends import test_conformance as conformance
+from tests.backends.test_object_stores import check_read_back_races
+from tests.helpers import IDENT, save
 
 backend_kinds = ["seaweedfs-obstore", "moto-obstore"]
 RETRY = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
 
 
-class TestObstoreConformance(BackendConformance):
-    def create_is_exclusive_under_races(self, request: pytest.FixtureRequest) -> bool:
-        return str(request.getfixturevalue("backend_kind")).removesuffix("-obstore") in ATOMIC_CREATE
+class TestObstoreConformance(conformance.TestBackendConformance):
+    """The suite with ckptstore's own fixtures, on the obstore kinds (racing creates included)."""
 
 
 def test_it_is_the_obstore_backend(backend: Backend) -> None:
     from ckptstore.backends.obstore_s3 import ObstoreS3Backend
 
     assert isinstance(backend, ObstoreS3Backend) and backend.url.startswith("s3+obstore://")
-
-
-@pytest.mark.backends("seaweedfs-obstore")  # moto's conditional PUT is not atomic: see test_object_stores.ATOMIC_CREATE
-def test_racing_creates_one_winner_each_round(backend: Backend, backend_kind: str) -> None:
-    violations = [v for r in range(5) if (v := race_round(backend, backend.create, f"race/{r:03d}.json"))]
-    assert violations == []
 
 
 def test_racing_creates_through_the_read_back_always_name_the_stored_writer(backend: Backend, backend_kind: str) -> None:

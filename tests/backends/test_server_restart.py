@@ -34,8 +34,8 @@ from ckptstore.retry import RetryPolicy
 from ckptstore.testing.invariants import assert_invariant_1, commits_of_step
 from ckptstore.testing.wireproxy import Fault, Request, WireProxy
 from devservers.servers import BUCKET, FakeGcs, SeaweedFS, Server
+from tests.helpers import IDENT
 
-IDENT = {"data_digest": "restart", "code_digest": "restart"}
 NAMES = ("model", "optim")
 # retries that outlast the outage (fake-gcs restarts in well under a second)
 RETRY = RetryPolicy(attempts=10, base_delay=0.2, max_delay=1.5)

@@ -42,10 +42,10 @@ from ckptstore.backends.schemes import backend_from_url
 from ckptstore.retry import RetryPolicy
 from ckptstore.testing.invariants import assert_invariant_1, commits_of_step, raw_commits
 from ckptstore.testing.wireproxy import Fault, Request, WireProxy
+from tests.helpers import IDENT
 
 backend_kinds = ["moto", "fakegcs", "moto-obstore"]
 
-IDENT = {"data_digest": "wire", "code_digest": "wire"}
 RETRY = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
 NAMES = ("model", "optim", "extra/rng")
 STALL_S = 2.5  # longer than the clients' read timeout below

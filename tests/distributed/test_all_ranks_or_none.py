@@ -187,7 +187,7 @@ def test_ranks_with_different_identities_refused(backend_kind: str, tmp_path: Pa
 
 
 @pytest.mark.backends("local")
-def test_four_ranks(backend_kind: str, tmp_path: Path, request) -> None:  # type: ignore[no-untyped-def]
+def test_four_ranks_publish_one_save_of_every_rank(backend_kind: str, tmp_path: Path, request) -> None:  # type: ignore[no-untyped-def]
     url, opts = where(backend_kind, tmp_path, request)
     res = run_job(4, url, "saves", opts=opts, args={"steps": [5], "faults": {}})
     assert len({s["digest"] for s in ok(res, "save5")}) == 1

@@ -22,9 +22,9 @@ from torch.utils.data.distributed import DistributedSampler
 from ckptstore import CheckpointStore, InvalidInputError, SaveState
 from ckptstore import protocol as P
 from ckptstore.backends.schemes import backend_from_url
-from ckptstore.testing.raw import RawAccess
 from ckptstore.torch import Checkpointer, ResumableLoader, ResumableSampler
 from tests.conftest import selected_kinds
+from tests.helpers import RawAccess
 from tests.workers.dist_launch import RankResult, run_job
 
 WORKER = str(Path(__file__).parents[1] / "workers" / "rank_worker.py")

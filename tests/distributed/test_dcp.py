@@ -17,10 +17,10 @@ from ckptstore import CheckpointStore, CorruptionError
 from ckptstore import protocol as P
 from ckptstore.distributed.dcp import METADATA_COMPONENT, StoreReader, StoreWriter
 from tests.conftest import selected_kinds
+from tests.helpers import IDENT
 from tests.workers.dist_launch import RankResult, run_job
 
 WORKER = str(Path(__file__).parents[1] / "workers" / "dcp_worker.py")
-IDENT = {"data_digest": "d", "code_digest": "c"}
 
 
 def where(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:

@@ -30,11 +30,11 @@ from ckptstore import CheckpointStore
 from ckptstore import protocol as P
 from ckptstore.errors import InvalidInputError
 from ckptstore.integrations.hf import StoreCallback, publish_checkpoint_dir, restore_latest
+from tests.helpers import IDENT
 from tests.workers.dist_launch import run_job
 
 pytestmark = pytest.mark.backends("local", "moto")
 
-IDENT = {"data_digest": "tokens-32", "code_digest": "gpt2-tiny"}
 RUN = "hf-hostile"
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- victim's key, never to be uploaded"
 WORKER = str(Path(__file__).parents[1] / "workers" / "hf_worker.py")

@@ -29,9 +29,8 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import named_memory_backend
 from ckptstore.cli.commands import main as cli_main
 from ckptstore.protocol.records import AttemptRecord
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import IDENT, RawAccess
 
-IDENT = {"data_digest": "d-18", "code_digest": "c-18"}
 RUN = "run"
 
 #: other scripts' digits that ``\d`` matches and ``int()`` reads as 0-9

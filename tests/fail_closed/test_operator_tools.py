@@ -4,7 +4,7 @@ vouches only for a history that is consistent, ledger events alone never make
 a run promotable or spend its budget, a gc refusal is a failure on the
 command line, and key files are opened like the secrets they are.
 
-Objects are planted straight on the storage (``ckptstore.testing.raw``) on
+Objects are planted straight on the storage (``tests.helpers.RawAccess``) on
 memory, local disk and the object stores; the public API and the CLI (in
 process, so ``memory://`` stores are shared) are checked alike."""
 
@@ -33,9 +33,8 @@ from ckptstore.ops.budget import Budget
 from ckptstore.ops.events import CLOCK_SKEW_S, validate_events
 from ckptstore.ops.report import build_record
 from ckptstore.protocol.auth import Keyring
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import IDENT, RawAccess
 
-IDENT = {"data_digest": "d-1", "code_digest": "c-1"}
 KEY_HEX = "5a" * 32
 K1 = Keyring({"k1": bytes.fromhex(KEY_HEX)})
 OPS_BACKENDS = pytest.mark.backends("memory", "local", "moto", "fakegcs")

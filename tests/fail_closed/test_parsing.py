@@ -17,9 +17,8 @@ import pytest
 from ckptstore import CheckpointStore, CorruptionError, SaveState
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import IDENT, RawAccess
 
-IDENT = {"data_digest": "d-1", "code_digest": "c-1"}
 TIB = 1 << 40
 
 

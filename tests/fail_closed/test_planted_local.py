@@ -30,8 +30,8 @@ from ckptstore.errors import (
     StoreUnavailableError,
 )
 from ckptstore.protocol import LATEST_LAYOUT
+from tests.helpers import IDENT
 
-IDENT = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
 CLI_TIMEOUT = 120
 
 

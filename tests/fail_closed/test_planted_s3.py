@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from ckptstore import CheckpointStore
+from tests.helpers import IDENT
 
 pytestmark = pytest.mark.backends("moto")
 
-IDENT = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
 EVIL = "\u202eexe.txt\u2066-\x1b[31mred\x1b]0;pwned\x07"
 RAW = ("\x1b", "\x07", "\u202e", "\u2066")
 

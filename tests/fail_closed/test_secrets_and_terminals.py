@@ -23,8 +23,8 @@ from ckptstore.ops.report import build_record, render_table
 from ckptstore.protocol import canonical_json
 from ckptstore.util.redact import redact_options, redact_text, redact_url, secret_values
 from ckptstore.util.terminal import escape, escape_lines, sanitize
+from tests.helpers import IDENT
 
-IDENT = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
 PLANNED = {**IDENT, "planned_steps": 10}
 CLI_TIMEOUT = 120
 EVIL = "\x1b]0;pwned\x07\x1b[2J\x1b[31m\u202eexe.txt\u2066\x9b\nlatest complete: step 999"

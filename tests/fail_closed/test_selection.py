@@ -41,9 +41,8 @@ from ckptstore.core import catalog
 from ckptstore.errors import LimitReachedError, ResumeRefusedError
 from ckptstore.protocol import LATEST_LAYOUT, attempts_prefix, commits_prefix, saves_prefix
 from ckptstore.protocol.selection import MAX_CANDIDATES, SkipReason
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import IDENT, RawAccess
 
-IDENT = {"data_digest": "fc-data", "code_digest": "fc-code"}
 #: the object stores: a key is at most 1,024 bytes, so their chains are shallower (still past the bound)
 OBJECT_CHAIN = 450
 #: past Python's recursion limit (1,000: what made the old walks crash) and four times the bound; deeper

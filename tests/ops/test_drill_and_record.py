@@ -13,8 +13,7 @@ from ckptstore.ops.budget import Budget, account, compare_costs, young_daly_inte
 from ckptstore.ops.decision import Action, plan_resume
 from ckptstore.ops.report import build_record, render_table, render_timeline_svg
 from ckptstore.protocol import AttemptRecord
-
-IDENT = {"data_digest": "data-47", "code_digest": "code-82", "feature_contract": "receipt-v4"}
+from tests.helpers import IDENT
 
 
 def ev(at: float, attempt: int, kind: str, **payload):  # type: ignore[no-untyped-def]
@@ -75,7 +74,7 @@ def test_admission_and_young_daly() -> None:
         Budget(limit_gpu_hours=0)
 
 
-def test_record_renders(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_run_record_renders_as_table_and_timeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
     b = MemoryBackend()
     st = CheckpointStore.open(b, "r", identity={**IDENT, "planned_steps": 3})  # no plan: "unconfirmed" (§4.9)
     for step in range(3):

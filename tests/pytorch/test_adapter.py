@@ -25,9 +25,9 @@ from ckptstore.torch import (
     unflatten,
 )
 from ckptstore.torch.codec import safetensors_stream
+from tests.helpers import IDENT
 
 backend_kinds = ["memory", "local"]
-IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "adam-r3", "feature_contract": "f"}
 
 
 def tiny(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:

@@ -28,8 +28,7 @@ from ckptstore.torch import (
 )
 from ckptstore.torch.codec import DTYPE_BY_NAME, flatten, tree_from_json
 from ckptstore.torch.state import STATE_COMPONENT, read_save
-
-IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "r", "feature_contract": "f"}
+from tests.helpers import IDENT
 
 
 def model() -> Any:

@@ -22,14 +22,7 @@ from ckptstore.torch import (
     RngPitfallWarning,
     read_state,
 )
-
-IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "r", "feature_contract": "f"}
-
-
-def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    m = torch.nn.Linear(4, 3)
-    return m, torch.optim.AdamW(m.parameters(), lr=0.01)
+from tests.helpers import IDENT, tiny_model
 
 
 def step(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
@@ -48,7 +41,7 @@ def committed_steps(st: CheckpointStore) -> list[int]:
 def test_keep_last_runs_after_each_commit() -> None:
     b = MemoryBackend()
     st = CheckpointStore.open(b, "r", identity=IDENT)
-    m, o = tiny()
+    m, o = tiny_model()
     ck = Checkpointer(st, {"model": m, "optimizer": o}, every_steps=1, keep_last=2, handle_signals=False)
     for s in range(6):
         step(m, o)
@@ -66,7 +59,7 @@ def test_a_retention_failure_never_fails_the_save_or_training() -> None:
     fb = FaultyBackend(MemoryBackend())
     fb.fail(None, StoreUnavailableError("delete refused"), persistent=True, when=lambda op, k: op == "delete")
     st = CheckpointStore.open(fb, "r", identity=IDENT)
-    m, o = tiny()
+    m, o = tiny_model()
     ck = Checkpointer(st, {"model": m, "optimizer": o}, every_steps=1, keep_last=1, handle_signals=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -82,7 +75,7 @@ def test_a_retention_failure_never_fails_the_save_or_training() -> None:
 
 def test_keep_every_keeps_milestones_beside_the_newest() -> None:
     st = CheckpointStore.open(MemoryBackend(), "r", identity=IDENT)
-    m, _ = tiny()
+    m, _ = tiny_model()
     with pytest.raises(InvalidInputError):
         Checkpointer(st, {"model": m}, keep_last=0, handle_signals=False)
     ck = Checkpointer(st, {"model": m}, keep_last=1, keep_every=20, handle_signals=False, async_save=False)
@@ -97,7 +90,7 @@ def test_keep_every_keeps_milestones_beside_the_newest() -> None:
 
 def test_preemption_saves_and_exits_with_tempfail() -> None:
     st = CheckpointStore.open(MemoryBackend(), "r", identity=IDENT)
-    m, o = tiny()
+    m, o = tiny_model()
     ck = Checkpointer(st, {"model": m, "optimizer": o}, every_steps=100, handle_signals=False)
     step(m, o)
     ck.step_end(0)
@@ -124,7 +117,7 @@ def test_preemption_saves_and_exits_with_tempfail() -> None:
 
 def test_cheap_verified_resume_falls_back_from_a_corrupt_newest_save() -> None:
     b = MemoryBackend()
-    m, o = tiny()
+    m, o = tiny_model()
     ck = Checkpointer(CheckpointStore.open(b, "r", identity=IDENT), {"model": m, "optimizer": o},
                       async_save=False, handle_signals=False)
     step(m, o)
@@ -141,7 +134,7 @@ def test_cheap_verified_resume_falls_back_from_a_corrupt_newest_save() -> None:
 
     st = CheckpointStore.open(b, "r", identity=IDENT, resume_verify="cheap")
     assert st.resumed_from is not None and st.resumed_from.step == 1
-    m2, o2 = tiny()
+    m2, o2 = tiny_model()
     ck2 = Checkpointer(st, {"model": m2, "optimizer": o2}, async_save=False, handle_signals=False)
     with pytest.warns(RuntimeWarning, match="step 1 is corrupt; resuming from step 0"):
         assert ck2.resume() == 1
@@ -203,7 +196,7 @@ class FakeStreams:
 def test_snapshot_stream_ordering_with_a_fake_stream() -> None:
     log: list[tuple[str, ...]] = []
     st = CheckpointStore.open(MemoryBackend(), "r", identity=IDENT)
-    m, o = tiny()
+    m, o = tiny_model()
     ck = Checkpointer(st, {"model": m}, every_steps=1, handle_signals=False, streams=FakeStreams(log))
     real_copy = ck._buffers.copy
     real_save = st.save
@@ -403,7 +396,7 @@ def test_two_saves_in_flight_commit_in_order_with_bounded_buffers() -> None:
         None, 0.6, when=lambda op, key: op == "put" and "/saves/000000000001-" in key and "model" in key
     )
     st = CheckpointStore.open(slow_first, "r", identity=IDENT)
-    m, o = tiny()
+    m, o = tiny_model()
     ck = Checkpointer(st, {"model": m, "optimizer": o}, handle_signals=False, max_inflight=2)
     step(m, o)
     ck.save(1)
@@ -425,7 +418,7 @@ def test_two_saves_in_flight_commit_in_order_with_bounded_buffers() -> None:
 
 def test_max_inflight_must_be_positive() -> None:
     st = CheckpointStore.open(MemoryBackend(), "r", identity=IDENT)
-    m, o = tiny()
+    m, o = tiny_model()
     for bad in (0, -1, 1.5):
         with pytest.raises(InvalidInputError, match="max_inflight"):
             Checkpointer(st, {"model": m}, handle_signals=False, max_inflight=bad)  # type: ignore[arg-type]

@@ -18,9 +18,9 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.torch import Checkpointer
 from ckptstore.torch.safetensors_io import MIN_VIEW_BYTES
+from tests.helpers import IDENT
 
 backend_kinds = ["memory", "local", "seaweedfs", "moto", "fakegcs"]
-IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "r", "feature_contract": "f"}
 
 
 def _raw_put(b: Backend, key: str, data: bytes) -> None:

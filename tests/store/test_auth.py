@@ -16,9 +16,8 @@ from ckptstore.backends.base import Backend
 from ckptstore.cli.commands import main as cli_main
 from ckptstore.core.record_auth import UnauthenticatedWarning, keyring_from_file
 from ckptstore.protocol.auth import Keyring, compute_tag, run_key
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import IDENT, RawAccess
 
-IDENT = {"data_digest": "d-1", "code_digest": "c-1"}
 K1 = Keyring({"k1": b"\x01" * 32})
 K2 = Keyring({"k1": b"\x01" * 32, "k2": b"\x02" * 32}, active="k2")
 AUTH_BACKENDS = pytest.mark.backends("memory", "local", "moto")

@@ -15,7 +15,7 @@ from ckptstore.backends.base import Capabilities
 from ckptstore.backends.faults import FaultyBackend, transient
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.retry import RetryPolicy
-from tests.store.test_invariants import IDENT, save
+from tests.helpers import IDENT, save
 
 FAST = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.005)
 

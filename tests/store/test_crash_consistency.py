@@ -19,8 +19,8 @@ from ckptstore.backends.faults import Crashed, FaultyBackend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.testing.invariants import assert_invariant_1, invariant_1_violations
 from ckptstore.testing.simfs import SimFS
+from tests.helpers import IDENT
 
-IDENT = {"data_digest": "d", "code_digest": "c"}
 SHAPES = {1: [3000], 2: [100, 20_000], 3: [0, 5000, 70_000]}  # component sizes per shape
 
 # totals are collected for the closing report: pytest -s prints them

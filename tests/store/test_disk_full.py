@@ -24,8 +24,8 @@ from ckptstore import CheckpointStore, StoreUnavailableError
 from ckptstore.backends.base import Buffer
 from ckptstore.backends.local import LocalBackend, PosixOps
 from ckptstore.testing.invariants import assert_invariant_1, commits_of_step, save_objects
+from tests.helpers import IDENT
 
-IDENT = {"data_digest": "full", "code_digest": "full"}
 SIZES = {"model": 30_000, "optim": 50_000}
 
 

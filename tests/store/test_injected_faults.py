@@ -39,8 +39,8 @@ from ckptstore.testing.invariants import (
     raw_commits,
     save_objects,
 )
+from tests.helpers import IDENT
 
-IDENT = {"data_digest": "inv", "code_digest": "inv"}
 FAST = RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.005)
 NAMES = ("model", "optim", "extra/rng")
 

@@ -22,39 +22,19 @@ from ckptstore import (
 )
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
-
-IDENT = {
-    "data_digest": "data-47",
-    "code_digest": "code-82",
-    "optimizer_revision": "adam-r3",
-    "feature_contract": "receipt-v4",
-    "world_size": 1,
-}
-
-
-def blob(step: int, name: str, size: int = 3000) -> bytes:
-    seed = f"{step}:{name}:".encode()
-    return (seed * (size // len(seed) + 1))[:size]
-
-
-def save(store: CheckpointStore, step: int, names=("model", "optim"), size: int = 3000):  # type: ignore[no-untyped-def]
-    with store.save(step) as s:
-        for n in names:
-            s.put(n, blob(step, n, size))
-    assert s.ref is not None
-    return s.ref
+from tests.helpers import IDENT, blob, open_reader, open_writer, save
 
 
 @pytest.fixture
 def open_store(backend_factory: Callable[[], Backend]):  # type: ignore[no-untyped-def]
     def _open(run: str = "run", identity=IDENT, **kw):  # type: ignore[no-untyped-def]
-        return CheckpointStore.open(backend_factory(), run, identity=identity, **kw)
+        return open_writer(backend_factory(), run, identity, **kw)
 
     return _open
 
 
 def reader(backend_factory: Callable[[], Backend], run: str = "run") -> CheckpointStore:
-    return CheckpointStore.open(backend_factory(), run, mode="r")
+    return open_reader(backend_factory(), run)
 
 
 def component_key(ref, name: str) -> str:  # type: ignore[no-untyped-def]
@@ -460,7 +440,7 @@ def test_explicit_resume_step(open_store, backend_factory) -> None:  # type: ign
 # ------------------------------------------------------------ events
 
 
-def test_event_ledger(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
+def test_events_read_back_in_order_with_their_attempt(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
     st = open_store()
     st.record_event("interruption", {"step": 5, "signal": "SIGKILL"})
     st.record_event("budget", {"spent": 1.5})
@@ -517,7 +497,7 @@ def test_duplicate_and_clashing_component_names(open_store) -> None:  # type: ig
 
 @INPUT_CHECK_BACKENDS
 @pytest.mark.parametrize("run_id", ["", "a/b", "../x", ".x", "x" * 200, " sp"])
-def test_bad_run_ids(backend_factory, run_id) -> None:  # type: ignore[no-untyped-def]
+def test_invalid_run_ids_refused_before_anything_is_written(backend_factory, run_id) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidInputError):
         CheckpointStore.open(backend_factory(), run_id, identity=IDENT)
     assert backend_factory().list("") == []
@@ -525,13 +505,13 @@ def test_bad_run_ids(backend_factory, run_id) -> None:  # type: ignore[no-untype
 
 @INPUT_CHECK_BACKENDS
 @pytest.mark.parametrize("step", [-1, 1.5, "3", True, P.MAX_STEP + 1])
-def test_bad_steps(open_store, step) -> None:  # type: ignore[no-untyped-def]
+def test_invalid_steps_refused(open_store, step) -> None:  # type: ignore[no-untyped-def]
     st = open_store()
     with pytest.raises(InvalidInputError):
         st.save(step)
 
 
-def test_bad_identity(backend_factory) -> None:  # type: ignore[no-untyped-def]
+def test_empty_or_unencodable_identity_refused_and_nothing_written(backend_factory) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidInputError):
         CheckpointStore.open(backend_factory(), "r", identity={})
     with pytest.raises(InvalidInputError):

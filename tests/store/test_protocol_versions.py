@@ -25,9 +25,8 @@ from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.protocol import records
 from ckptstore.testing.invariants import invariant_1_violations
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import IDENT, RawAccess
 
-IDENT = {"data_digest": "data-47", "code_digest": "code-82"}
 V1_NAME = re.compile(r"^\d{12}\.\d{8}\.json$")
 V2_NAME = re.compile(r"^\d{12}\.\d{8}-\d{12}\.\d{8}\.json$")
 

@@ -21,9 +21,8 @@ from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.cli.commands import main as cli_main
 from ckptstore.protocol.records import MAX_COMMIT_RECORD, AttemptRecord, CommitRecord, EventRecord, RunRecord
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import IDENT, RawAccess
 
-IDENT = {"data_digest": "d-1", "code_digest": "c-1"}
 HOSTILE_BACKENDS = pytest.mark.backends("memory", "local", "moto")
 
 

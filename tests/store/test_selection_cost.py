@@ -23,12 +23,11 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.fsspec_base import FsspecBackend
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.backends.schemes import backend_from_url
-from ckptstore.testing.raw import RawAccess
 from ckptstore.testing.wireproxy import WireProxy
+from tests.helpers import IDENT, RawAccess
 
 backend_kinds = ["moto", "fakegcs"]
 
-IDENT = {"data_digest": "hist", "code_digest": "hist"}
 SMALL, LARGE = 50, 2500
 LARGE_V1 = 1001  # two listing pages of commit names
 KEPT_BYTES = 10

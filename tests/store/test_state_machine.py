@@ -36,8 +36,8 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.errors import ResumeRefusedError
 from ckptstore.retry import RetryPolicy
+from tests.helpers import IDENT
 
-IDENT = {"data_digest": "d", "code_digest": "c"}
 FAST = RetryPolicy(attempts=3, base_delay=0.0, max_delay=0.0)
 RUN = "run"
 

@@ -46,7 +46,7 @@ def save(run: Any, step: int, fault: dict[str, Any] | None) -> dict[str, Any]:
     mine = fault is not None and fault["rank"] == run.rank
     point = fault["point"] if mine and fault else None
     if point in ("before_gather", "before_publish", "after_publish"):
-        coordinator.HOOKS[point] = die
+        coordinator.at_phase(point, die)
     # the fault may bound this one save's wait for the ranks' inventories
     timeout = float(fault["save_timeout"]) if fault is not None and "save_timeout" in fault else None
     try:

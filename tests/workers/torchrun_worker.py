@@ -72,7 +72,7 @@ def patch_saves() -> None:
             state["step"] = self.step
 
         coordinator.DistributedSave.__init__ = init  # type: ignore[method-assign]
-        coordinator.HOOKS["before_publish"] = lambda: fault_at("before_publish", state["step"])
+        coordinator.at_phase("before_publish", lambda: fault_at("before_publish", state["step"]))
 
 
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -183,6 +183,3 @@ class PathStoreReader(StoreReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self.ref = None  # the newest complete save, each load
         return super().read_metadata(*args, **kwargs)
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return super().read_data(plan, planner)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import struct
-import tempfile
 from base64 import b64encode
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from ...torch.codec import (
     tree_from_json,
     tree_to_json,
 )
+from ...util import files as durable
 
 FORMAT = "ckptstore.lightning/1"
 POINTER_FORMAT = "ckptstore.lightning-pointer/1"
@@ -219,26 +219,8 @@ def write_atomic(path: PATH, data: bytes, options: Mapping[str, Any] | None = No
             f.write(data)
         return
     p = local_path(p)
-    d = os.path.dirname(os.path.abspath(p))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ckptstore-pointer-", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+    durable.write_atomic(p, data, prefix=".ckptstore-pointer-")
 
 
 def pointer_digest(doc: Mapping[str, Any]) -> str:

@@ -15,8 +15,8 @@ RUN = "inc"
 #: short times, so that intents expire and pieces age within a test
 TIMING = PieceTiming(window=0.2, intent_ttl=1.0)
 GRACE = 1.0
-#: a frozen backbone of three large pieces and a small packed tail
-FROZEN = os.urandom(2 * PIECE_BYTES + PACK_BYTES + 12345)
+#: a frozen backbone of two large pieces (the last one short) before the head
+FROZEN = os.urandom(PIECE_BYTES + PACK_BYTES + 12345)
 
 
 def open_store(backend: Backend, **kw: object) -> CheckpointStore:

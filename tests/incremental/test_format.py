@@ -31,6 +31,7 @@ def test_second_save_writes_only_what_changed(backend: Backend) -> None:
     store.read_into(ref2, "model", buf)
     assert bytes(buf) == model2
     assert store.read_range(ref2, "model", PIECE_BYTES - 3, PIECE_BYTES + 3) == model2[PIECE_BYTES - 3 : PIECE_BYTES + 3]
+    assert store.read(ref2, "model") == model2
     assert store.verify(ref2).ok
     listed = {i.step: i for i in store.list_saves()}
     assert listed[2].bytes_written == written and listed[2].bytes_referenced == len(model2) + len(b'{"step": 2}')

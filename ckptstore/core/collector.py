@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 from ..errors import CorruptionError, NotFoundError
 from ..protocol import component_key, run_prefix
 from ..protocol.gcplan import plan_gc
-from ..protocol.pieces import plan_sweep
+from ..protocol.pieces import ListedPiece, plan_sweep
 from ..protocol.selection import SaveInfo, SaveState
 from .catalog import Catalog, Scan
 from .pieces import PieceTiming, list_intents
+
+#: Rounds of one piece sweep (each lists the save intents again, §9.5).
+MAX_SWEEP_ROUNDS = 10_000
 
 
 @dataclass
@@ -132,39 +135,49 @@ def sweep_pieces(
     if isinstance(marks, str):
         report.pieces_refused = f"{marks}; no piece is swept while a commit record cannot be read"
         return
-    listed_at = time.monotonic()
-    intents, unreadable = list_intents(io)
-    if unreadable:
-        report.pieces_refused = f"save intent {unreadable[0]}; no piece is swept while an intent cannot be read"
-        return
-    now = time.time()
-    expired = []
-    for key, rec in sorted(intents.items()):
-        if rec.expires_at - rec.created_at > grace_seconds:
-            report.pieces_refused = (
-                f"save intent {key} lives {rec.expires_at - rec.created_at:.0f}s, longer than the grace period "
-                f"({grace_seconds:.0f}s); no piece is swept (use a grace period at least as long as the intents')"
-            )
+    commit_marks = marks
+    todo: list[ListedPiece] | None = None
+    expired: list[str] = []
+    for _round in range(MAX_SWEEP_ROUNDS):
+        # one round: list the intents, then delete only within half the window after that listing
+        listed_at = time.monotonic()
+        intents, unreadable = list_intents(io)
+        if unreadable:
+            report.pieces_refused = f"save intent {unreadable[0]}; no piece is swept while an intent cannot be read"
             return
-        if now >= rec.expires_at:
-            expired.append(key)
-        else:
-            marks.update(dict.fromkeys(rec.pieces, 0))
-    plan = plan_sweep(scan.pieces.values(), marks, now=scan.pieces_listed_at, grace_seconds=grace_seconds)
-    report.pieces_marked, report.pieces_young = plan.marked, plan.young
-    report.intents_expired = expired
-    deadline = listed_at + timing.window / 2
-    for p in plan.delete:
-        if not report.dry_run:
-            if time.monotonic() >= deadline:
+        now = time.time()
+        marks = dict(commit_marks)
+        expired = []
+        for key, rec in sorted(intents.items()):
+            if rec.expires_at - rec.created_at > grace_seconds:
                 report.pieces_refused = (
-                    f"the sweep ran past its window ({timing.window / 2:.1f}s after listing the intents); "
-                    f"{len(plan.delete) - report.pieces_freed} piece(s) left for the next gc"
+                    f"save intent {key} lives {rec.expires_at - rec.created_at:.0f}s, longer than the grace period "
+                    f"({grace_seconds:.0f}s); no piece is swept (use a grace period at least as long as the intents')"
                 )
-                break
-            io.delete(p.key)
-        report.pieces_freed += 1
-        report.piece_bytes_freed += p.size
+                return
+            if now >= rec.expires_at:
+                expired.append(key)
+            else:
+                marks.update(dict.fromkeys(rec.pieces, 0))
+        plan = plan_sweep(todo if todo is not None else scan.pieces.values(), marks, now=scan.pieces_listed_at,
+                          grace_seconds=grace_seconds)
+        if todo is None:
+            report.pieces_marked, report.pieces_young = plan.marked, plan.young
+        todo = []
+        deadline = listed_at + timing.window / 2
+        for i, p in enumerate(plan.delete):
+            if not report.dry_run:
+                if time.monotonic() >= deadline:
+                    todo = plan.delete[i:]  # the next round lists the intents again first
+                    break
+                io.delete(p.key)
+            report.pieces_freed += 1
+            report.piece_bytes_freed += p.size
+        if not todo:
+            break
+    else:
+        report.pieces_refused = f"the sweep stopped after {MAX_SWEEP_ROUNDS} rounds; {len(todo or [])} piece(s) left"
+    report.intents_expired = expired
     if not report.dry_run:
         for key in expired:
             io.delete(key)

@@ -54,7 +54,7 @@ class PieceTiming:
     least this long (gc refuses to sweep otherwise).
     """
 
-    window: float = 5.0
+    window: float = 2.0
     intent_ttl: float = 3600.0
 
 

@@ -132,7 +132,8 @@ def main() -> None:
         quick = PieceTiming(window=0.05, intent_ttl=3600)  # bytes on storage do not depend on the window
         v3 = run_saves(root / "many", 3, 0.9, a.store_mib, a.saves, False, quick)
         v2 = run_saves(root / "many", 2, 0.9, a.store_mib, a.saves, False, quick)
-        print(f"row 3 {a.saves} frozen-90% saves of a {a.store_mib} MiB model, no gc: bytes on storage\n      v3 {v3['on_disk'] / 2**20:9.1f} MiB  "
+        print(f"row 3 {a.saves} frozen-90% saves of a {a.store_mib} MiB model, no gc: bytes on storage")
+        print(f"      v3 {v3['on_disk'] / 2**20:9.1f} MiB  "
               f"v2 {v2['on_disk'] / 2**20:9.1f} MiB  ratio {v3['on_disk'] / v2['on_disk']:.4f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

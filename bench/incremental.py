@@ -34,11 +34,12 @@ DEFAULT_TIMING = PieceTiming()
 
 def model(mib: int, frozen_share: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Square float32 layers of 4 MiB; the first ``frozen_share`` of them frozen."""
-    n_layers = max(2, mib // 4)
+    n_layers = max(10, mib // 4)
+    width = 1024 if mib >= 40 else 512
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(1024, 1024, bias=False) for _ in range(n_layers)]
+    layers = [torch.nn.Linear(width, width, bias=False) for _ in range(n_layers)]
     m = torch.nn.Sequential(*layers)
-    n_frozen = round(n_layers * frozen_share)
+    n_frozen = min(n_layers - 1, round(n_layers * frozen_share))
     for layer in layers[:n_frozen]:
         layer.weight.requires_grad_(False)
     o = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
@@ -47,7 +48,8 @@ def model(mib: int, frozen_share: float) -> tuple[torch.nn.Module, torch.optim.O
 
 def train(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
     o.zero_grad()
-    m(torch.randn(4, 1024)).pow(2).mean().backward()
+    width = next(iter(m.parameters())).shape[1]
+    m(torch.randn(4, width)).pow(2).mean().backward()
     o.step()
 
 

@@ -238,6 +238,8 @@ class SavePieces:
     written_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _left_by_digest: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: pieces of other saves this save relies on (its intent must name them)
+    relied: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         for (holder, digest), size in self.left.items():
@@ -274,6 +276,9 @@ class SavePieces:
                 digest = blake3.blake3(piece, max_threads=blake3.blake3.AUTO if len(piece) >= 1 << 22 else 1).hexdigest()
                 size = len(piece)
                 ref = self._reuse(digest, size)
+                if ref is not None and ref.holder != self.save_id:
+                    with self._lock:
+                        self.relied.add((ref.holder, ref.digest))
                 if ref is None:
                     ref = PieceRef(self.save_id, digest, size)
                     with self._lock:
@@ -305,8 +310,8 @@ class SavePieces:
                 f"save {self.save_id} took longer than its pieces are protected ({timing.intent_ttl:.0f}s less the "
                 f"{timing.window:.0f}s window); nothing was published"
             )
-        reused = {(p.holder, p.digest) for c in components.values() for p in c.pieces or ()
-                  if p.holder != self.save_id}
+        with self._lock:
+            reused = set(self.relied)  # other processes' (ranks') reuse is under their own intents
         if reused:
             intent = self.intent
             if intent is None or not reused <= intent.names:

@@ -87,7 +87,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
     now = time.time()
     last_commit_at = commit_times.get((latest.step, latest.attempt)) if latest else None
     ended_at = max((float(e["at"]) for e in events), default=now)
-    total_bytes = sum(i.bytes for i in saves)
+    total_bytes = sum(max(i.bytes, i.bytes_written or 0) for i in saves)  # pieces (§9) counted by the save holding them
     storage_gb = total_bytes / 1e9
     billed = acc.spent_gpu_hours
     ordinary = acc.accepted_steps * budget.gpu_hours_per_step
@@ -123,6 +123,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
         "last_valid_checkpoint": None if latest is None else {
             "step": latest.step, "attempt": latest.attempt, "save_id": latest.save_id,
             "manifest_digest": latest.manifest_digest, "bytes": latest.total_bytes,
+            "bytes_written": latest.record.bytes_written(),
         },
         "skipped_newer_candidates": [s.to_json() for s in sel.skipped],
         "discarded_checkpoints": discarded,

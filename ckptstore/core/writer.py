@@ -236,13 +236,13 @@ def _check(
         raise InvalidInputError(f"run {ctx.io.run_id!r} is protocol version {ctx.io.layout.version}: its saves "
                                 "cannot name pieces (version 3 and later)")
     try:
-        _verify_inventory(ctx, step, save_id, comps)
         if pieces is not None:
             pieces.check_before_publish(comps)
         elif pieced:
             problems = check_pieces(ctx.io, comps.values(), None, deep=False)
             if problems:
                 raise SaveAbortedError(f"save of step {step}: {problems[0][1]}; nothing was published")
+        _verify_inventory(ctx, step, save_id, comps)
         ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)
     except BaseException:
         remove_components(ctx.io, save_id, comps)  # nothing was published: remove what was written
@@ -271,7 +271,9 @@ def _seal(
     ), ctx.io.run_id)
 
 
-def _create(ctx: WriterContext, step: int, record: CommitRecord, comps: Mapping[str, ComponentEntry]) -> None:
+def _create(
+    ctx: WriterContext, step: int, save_id: str, record: CommitRecord, comps: Mapping[str, ComponentEntry]
+) -> None:
     """Publish, step 3 (§4.3 step 6): create-if-absent of the commit record.
     A :class:`CommitUnknownError` passes through with the components kept
     (the record may have landed)."""
@@ -285,13 +287,13 @@ def _create(ctx: WriterContext, step: int, record: CommitRecord, comps: Mapping[
         # leaving them on a full disk until gc, and re-raise the failure. If it is
         # there (the failure came after it landed), the outcome is unknown
         # (CommitUnknownError) and nothing is removed.
-        _settle_failed_commit(ctx, key, data, record.save_id, comps, exc)
+        _settle_failed_commit(ctx, key, data, save_id, comps, exc)
         raise
     if not created:
-        remove_components(ctx.io, record.save_id, comps)
+        remove_components(ctx.io, save_id, comps)
         raise CommitConflictError(
             f"run {ctx.io.run_id!r}: step {step} was already committed by another writer of "
-            f"attempt {ctx.attempt.number}; this save ({record.save_id}) was not published"
+            f"attempt {ctx.attempt.number}; this save ({save_id}) was not published"
         )
 
 
@@ -335,7 +337,7 @@ def publish(
         pieces = ctx.pieces.active(save_id)
     rank_map = _check(ctx, step, save_id, comps, ranks, expect, pieces)
     record = _seal(ctx, step, save_id, comps, metadata, rank_map, world_size)
-    _create(ctx, step, record, comps)
+    _create(ctx, step, save_id, record, comps)
     _post_fence(ctx, step)
     if ctx.pieces is not None:
         ctx.pieces.learn(record)  # the next save skips these pieces; their intent is written now

@@ -22,6 +22,7 @@ from .core.collector import GcReport, collect
 from .core.fencing import AttemptLog
 from .core.hashing import CHUNK
 from .core.ledger import Ledger
+from .core.pieces import PieceTiming, PieceWriter, pieces_lacking
 from .core.preflight import check_can_write, check_metadata, check_open_args
 from .core.reader import Reader, VerifyReport
 from .core.record_auth import RecordAuth
@@ -42,6 +43,7 @@ from .protocol import (
     validate_step,
 )
 from .protocol.auth import AuthPolicy, Keyring
+from .protocol.records import PieceRef
 from .protocol.selection import SaveInfo, SaveRef, Selection
 from .retry import RetryPolicy
 
@@ -70,6 +72,9 @@ class OpenOptions:
     auth_policy: AuthPolicy | str = "off"
     keyring: Keyring | None = None
     protocol_version: int | None = None
+    #: version-3 runs (pieces, PROTOCOL.md §9): the window and intent lifetime
+    #: every writer and gc of the run must agree on
+    piece_timing: PieceTiming = PieceTiming()
 
 
 class CheckpointStore:
@@ -145,6 +150,13 @@ class CheckpointStore:
                     self.writer_id, resume_from,
                     lambda v: resume_point(self._catalog, v, self._resume_deep, memo, self._ledger, self.writer_id),
                 )
+        self._pieces: PieceWriter | None = None
+        self._piece_timing = o.piece_timing
+        if self.mode == "w" and self._io.layout.pieces:
+            assert self.attempt is not None
+            self._pieces = PieceWriter(self._io, self.attempt.number, o.piece_timing)
+            # the newest commit's pieces, known in memory: the first save skips them
+            self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None)
 
     # ------------------------------------------------------------------ open
     @classmethod
@@ -165,6 +177,7 @@ class CheckpointStore:
         auth_policy: AuthPolicy | str = "off",
         keyring: Keyring | None = None,
         protocol_version: int | None = None,
+        piece_timing: PieceTiming | None = None,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -200,8 +213,12 @@ class CheckpointStore:
         records fence nothing and stop gc, and an unauthenticated run is not
         opened. See ``protocol_spec/THREATS.md``.
 
-        ``protocol_version``: of a run this call creates (default the newest, 2; 1 keeps
-        it readable by releases that know only 1). An existing run keeps its own: another is refused.
+        ``protocol_version``: of a run this call creates (default 2; 1 keeps
+        it readable by releases that know only 1; 3 stores saves as pieces
+        addressed by content, so what did not change is not written again —
+        PROTOCOL.md §9). An existing run keeps its own: another is refused.
+        ``piece_timing``: version 3 only, the window and intent lifetime every
+        writer and gc of the run must share (:class:`~ckptstore.core.pieces.PieceTiming`).
         """
         from .backends.schemes import backend_from_url
 
@@ -210,6 +227,7 @@ class CheckpointStore:
             identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
             resume_verify=resume_verify, join_attempt=join_attempt, single_writer=single_writer,
             auth_policy=auth_policy, keyring=keyring, protocol_version=protocol_version,
+            piece_timing=piece_timing or PieceTiming(),
         ))
 
     @property
@@ -228,7 +246,8 @@ class CheckpointStore:
     def _writer(self) -> WriterContext:
         if self.mode != "w" or self.attempt is None:
             raise InvalidInputError("this store was opened read-only; open it with identity=... to save")
-        return WriterContext(self._io, self._attempts, self.attempt, self.writer_id, self.identity_digest, self._auth)
+        return WriterContext(self._io, self._attempts, self.attempt, self.writer_id, self.identity_digest, self._auth,
+                             self._pieces)
 
     def new_save_id(self, step: int) -> str:
         """A fresh save ID for ``step`` of this store's attempt (a coordinator
@@ -405,8 +424,16 @@ class CheckpointStore:
             raise InvalidInputError("grace_seconds must be >= 0")
         return collect(
             self._catalog, keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds,
-            dry_run=dry_run, deep=deep,
+            dry_run=dry_run, deep=deep, timing=self._piece_timing,
         )
+
+    def pieces_lacking(self, ref: SaveRef, target: Backend) -> list[PieceRef]:
+        """The pieces of ``ref`` (a version-3 save) that ``target`` — another
+        store's backend holding the same run, e.g. a durable tier — does not
+        hold with their recorded size, each once: what a replication must
+        upload besides the records (components that are not pieced are not
+        listed). Empty for a save of an older version."""
+        return pieces_lacking(ref.record, target, self.run_id)
 
     def fall_back(self, to: SaveRef | None, reasons: Sequence[str]) -> None:
         """Give up this attempt's resume point before anything was saved from
@@ -464,6 +491,8 @@ class CheckpointStore:
         return [e.to_json() for e in self._ledger.read().events]
 
     def close(self) -> None:
+        if self._pieces is not None:
+            self._pieces.close()  # its commits mark their pieces now; a killed writer's intent expires instead
         self.backend.close()
 
     def __enter__(self) -> CheckpointStore:

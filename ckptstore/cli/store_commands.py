@@ -40,7 +40,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ]
         for i in infos
     ]
-    text = table(rows, ["", "step", "attempt", "state", "size", "parts", "save_id", "detail"]) if rows else "no saves"
+    header = ["", "step", "attempt", "state", "size", "parts", "save_id", "detail"]
+    if any(i.bytes_written is not None and i.bytes_written != i.bytes_referenced for i in infos):
+        # version 3 (pieces): what each save wrote against what it names
+        header[4:5] = ["written", "referenced"]
+        for row, i in zip(rows, infos, strict=True):
+            written = i.bytes_written if i.bytes_written is not None else i.bytes
+            row[4:5] = [human_bytes(written), human_bytes(i.bytes_referenced or i.bytes)]
+    text = table(rows, header) if rows else "no saves"
     young, stale = store.leftovers(grace_seconds=args.grace)
     if young or stale:
         text += (
@@ -140,7 +147,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with progress("gc --apply: deleting", 0, quiet=args.json or not args.apply):
         rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply,
                        deep=not args.shallow)
-    obj = {
+    obj: dict[str, object] = {
         "dry_run": rep.dry_run,
         "refused": rep.refused,
         "kept": rep.kept,
@@ -153,6 +160,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
               f"{len(rep.temporaries)} stray temporary file(s); kept {len(rep.kept)}")]
     lines += [f"  {esc(s)}: {esc(r)}" for s, r in rep.deleted_saves]
     obj["ignored"] = rep.ignored
+    obj["pieces"] = {"freed": rep.pieces_freed, "bytes_freed": rep.piece_bytes_freed, "marked": rep.pieces_marked,
+                     "young": rep.pieces_young, "intents_expired": rep.intents_expired, "refused": rep.pieces_refused}
+    if rep.pieces_freed or rep.pieces_marked or rep.pieces_young or rep.pieces_refused:
+        lines.append(f"pieces: {verb} {rep.pieces_freed} ({human_bytes(rep.piece_bytes_freed)}); kept "
+                     f"{rep.pieces_marked} named by kept commits or live intents, {rep.pieces_young} younger than "
+                     f"the grace period; {len(rep.intents_expired)} expired intent(s) removed")
+        if rep.pieces_refused:
+            lines.append(f"  no piece swept: {esc(rep.pieces_refused)}")
     if rep.ignored:
         lines.append(f"left alone {len(rep.ignored)} key(s) under saves/ that are not ckptstore's (inspect; remove by hand):")
         lines += [f"  {esc(k)}" for k in rep.ignored[:20]]

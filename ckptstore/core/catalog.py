@@ -29,6 +29,7 @@ from ..protocol import (
     save_prefix,
     saves_prefix,
 )
+from ..protocol.pieces import ListedPiece
 from ..protocol.records import MAX_COMMIT_RECORD
 from ..protocol.selection import (
     MAX_CANDIDATES,
@@ -47,6 +48,7 @@ from ..protocol.selection import (
 from .bounded_io import RunIO
 from .commit_names import CommitKeys
 from .fencing import AttemptLog, AttemptView
+from .pieces import check_pieces, list_pieces
 from .record_auth import RecordAuth
 from .selection_limits import NameSkips, gave_up
 
@@ -81,9 +83,20 @@ class Scan:
     #: segment, another spelling of a save ID ...): not ckptstore's, never
     #: judged, never deleted; reported by gc
     foreign: list[str] = field(default_factory=list)
+    #: version 3: the run's pieces as one listing showed them (None: not listed;
+    #: each candidate lists the holders it names)
+    pieces: dict[tuple[str, str], ListedPiece] | None = None
+    #: pieces hashed and found good earlier in the same operation (each is hashed once)
+    piece_memo: set[tuple[str, str]] = field(default_factory=set)
+    #: the wall-clock time just before ``pieces`` was listed: gc judges a piece's age against it
+    pieces_listed_at: float = 0.0
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
+        # pieces are listed before the commits (§9.5): a piece a commit listed
+        # later names was either in this listing or is younger than it
+        pieces_at = time.time()
+        pieces = list_pieces(io) if with_saves and io.layout.pieces else None
         commits = CommitKeys(io).listed()
         save_objects: dict[str, dict[str, ObjectInfo]] = {}
         if not with_saves:
@@ -96,7 +109,7 @@ class Scan:
                 foreign.append(o.key)
                 continue
             save_objects.setdefault(sid, {})[name] = o
-        return cls(commits, save_objects, attempts, foreign=foreign)
+        return cls(commits, save_objects, attempts, foreign=foreign, pieces=pieces, pieces_listed_at=pieces_at)
 
 
 class RecordCache:
@@ -189,12 +202,21 @@ class Catalog:
             self.records.put(key, seen, rec)
         return rec
 
-    def check_components(self, rec: CommitRecord, listed: Mapping[str, ObjectInfo] | None, deep: bool) -> Problems:
+    def check_components(
+        self, rec: CommitRecord, listed: Mapping[str, ObjectInfo] | None, deep: bool, scan: Scan | None = None,
+    ) -> Problems:
         """Every component present with its recorded size (from ``listed``, or
         one size request each); with ``deep``, re-hashed (never reading more
-        than its recorded size + 1 bytes)."""
-        problems: Problems = []
+        than its recorded size + 1 bytes). A pieced component: every piece
+        present with its size (from the scan's listing of ``pieces/``, or one
+        listing per holder), with ``deep`` each piece hashed once per scan."""
+        problems: Problems = check_pieces(
+            self.io, rec.components.values(), scan.pieces if scan is not None else None, deep,
+            scan.piece_memo if scan is not None else None,
+        )
         for name, comp in sorted(rec.components.items()):
+            if comp.pieces is not None:
+                continue
             key = component_key(self.io.run_id, rec.save_id, name)
             size: int | None
             if listed is not None:
@@ -254,7 +276,7 @@ class Catalog:
             return Candidate(step, attempt, None, [(SkipReason.IDENTITY_MISMATCH, detail)], sid)
         digest = rec.manifest_digest() if deep and scan.memo is not None else ""
         hashed_before = bool(digest) and digest in (scan.memo or ())
-        problems = self.check_components(rec, self._objects_of(scan, sid), deep and not hashed_before)
+        problems = self.check_components(rec, self._objects_of(scan, sid), deep and not hashed_before, scan)
         if digest and not problems and scan.memo is not None:
             scan.memo.add(digest)
         return Candidate(step, attempt, None if problems else SaveRef.of(rec), problems, sid)
@@ -409,10 +431,14 @@ class Catalog:
             else:
                 state, detail = SaveState.CORRUPT, "; ".join(d for _, d in c.problems)
             selected = latest is not None and c.ref is not None and c.ref.save_id == latest.save_id
+            written = referenced = None
+            if c.ref is not None:
+                written, referenced = c.ref.record.bytes_written(), c.ref.total_bytes
             out.append(
                 SaveInfo(
                     c.save_id or "?", c.step, c.attempt, state, detail, sum(o.size for o in objs.values()),
                     len(objs), scan.commits[(c.step, c.attempt)].mtime, selected=selected, ref=c.ref,
+                    bytes_written=written, bytes_referenced=referenced,
                 )
             )
         now = time.time()

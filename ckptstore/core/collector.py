@@ -6,10 +6,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..errors import CorruptionError, NotFoundError
 from ..protocol import component_key, run_prefix
 from ..protocol.gcplan import plan_gc
-from ..protocol.selection import SaveState
-from .catalog import Catalog
+from ..protocol.pieces import ListedPiece, plan_sweep
+from ..protocol.selection import SaveInfo, SaveState
+from .catalog import Catalog, Scan
+from .pieces import PieceTiming, list_intents
+
+#: Rounds of one piece sweep (each lists the save intents again, §9.5).
+MAX_SWEEP_ROUNDS = 10_000
 
 
 @dataclass
@@ -34,6 +40,17 @@ class GcReport:
     #: keys under ``saves/`` that are not ckptstore's (``..`` segments, names
     #: that are not component names, save IDs of another spelling): left alone
     ignored: list[str] = field(default_factory=list)
+    #: version 3 (§9.5): pieces deleted (or, dry run, that would be) and their bytes
+    pieces_freed: int = 0
+    piece_bytes_freed: int = 0
+    #: pieces kept because a kept commit or a live save intent names them, and
+    #: unmarked ones kept because they are younger than the grace period
+    pieces_marked: int = 0
+    pieces_young: int = 0
+    #: expired save intents removed (a killed writer's)
+    intents_expired: list[str] = field(default_factory=list)
+    #: set when gc swept no piece, and why (the saves were still collected)
+    pieces_refused: str | None = None
 
 
 def collect(
@@ -44,6 +61,7 @@ def collect(
     grace_seconds: float,
     dry_run: bool,
     deep: bool,
+    timing: PieceTiming | None = None,
 ) -> GcReport:
     io = catalog.io
     scan = catalog.scan()
@@ -76,7 +94,90 @@ def collect(
             io.delete(act.key)
         for handle in incomplete:
             io.backend.remove_incomplete(handle)
-    return GcReport(
+    report = GcReport(
         dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions, incomplete,
         bytes_read=io.bytes_read - start, ignored=scan.foreign,
     )
+    if scan.pieces is not None:
+        sweep_pieces(catalog, scan, [i for i, _ in plan.delete], report, grace_seconds, timing or PieceTiming())
+    return report
+
+
+def _commit_marks(catalog: Catalog, scan: Scan, deleted: list[SaveInfo]) -> dict[tuple[str, str], int] | str:
+    """Pieces named by every commit record gc did not delete; a reason instead
+    when one of them cannot be read (its pieces are unknown: sweep nothing)."""
+    gone = {(i.step, i.attempt) for i in deleted if i.state in (SaveState.COMMITTED, SaveState.SUPERSEDED)}
+    marks: dict[tuple[str, str], int] = {}
+    for sa, listed in sorted(scan.commits.items()):
+        if sa in gone:
+            continue
+        try:
+            rec = catalog.load_commit(sa[0], sa[1], listed, listed.key)
+        except NotFoundError:
+            continue  # removed since the listing: it names nothing any more
+        except CorruptionError as exc:  # unreadable, or a newer version's: what it names is unknown
+            return f"commit record of step {sa[0]}, attempt {sa[1]} cannot be read ({str(exc)[:200]})"
+        marks.update(rec.piece_refs())
+    return marks
+
+
+def sweep_pieces(
+    catalog: Catalog, scan: Scan, deleted: list[SaveInfo], report: GcReport, grace_seconds: float,
+    timing: PieceTiming,
+) -> None:
+    """§9.5: mark from every kept commit and every live save intent, then
+    delete the pieces of ``scan.pieces`` (listed before the commits) that
+    nothing marks and that are older than the grace period, all within half
+    the window after the intents were listed; past it, stop (the next gc goes on)."""
+    io = catalog.io
+    assert scan.pieces is not None
+    marks = _commit_marks(catalog, scan, deleted)
+    if isinstance(marks, str):
+        report.pieces_refused = f"{marks}; no piece is swept while a commit record cannot be read"
+        return
+    commit_marks = marks
+    todo: list[ListedPiece] | None = None
+    expired: list[str] = []
+    for _round in range(MAX_SWEEP_ROUNDS):
+        # one round: list the intents, then delete only within half the window after that listing
+        listed_at = time.monotonic()
+        intents, unreadable = list_intents(io)
+        if unreadable:
+            report.pieces_refused = f"save intent {unreadable[0]}; no piece is swept while an intent cannot be read"
+            return
+        now = time.time()
+        marks = dict(commit_marks)
+        expired = []
+        for key, rec in sorted(intents.items()):
+            if rec.expires_at - rec.created_at > grace_seconds:
+                report.pieces_refused = (
+                    f"save intent {key} lives {rec.expires_at - rec.created_at:.0f}s, longer than the grace period "
+                    f"({grace_seconds:.0f}s); no piece is swept (use a grace period at least as long as the intents')"
+                )
+                return
+            if now >= rec.expires_at:
+                expired.append(key)
+            else:
+                marks.update(dict.fromkeys(rec.pieces, 0))
+        plan = plan_sweep(todo if todo is not None else scan.pieces.values(), marks, now=scan.pieces_listed_at,
+                          grace_seconds=grace_seconds)
+        if todo is None:
+            report.pieces_marked, report.pieces_young = plan.marked, plan.young
+        todo = []
+        deadline = listed_at + timing.window / 2
+        for i, p in enumerate(plan.delete):
+            if not report.dry_run:
+                if time.monotonic() >= deadline:
+                    todo = plan.delete[i:]  # the next round lists the intents again first
+                    break
+                io.delete(p.key)
+            report.pieces_freed += 1
+            report.piece_bytes_freed += p.size
+        if not todo:
+            break
+    else:
+        report.pieces_refused = f"the sweep stopped after {MAX_SWEEP_ROUNDS} rounds; {len(todo or [])} piece(s) left"
+    report.intents_expired = expired
+    if not report.dry_run:
+        for key in expired:
+            io.delete(key)

@@ -14,6 +14,7 @@ from ..protocol import ComponentEntry, component_key
 from ..protocol.selection import SaveRef, SkipReason, describe_superseder, superseded_by
 from .catalog import Catalog
 from .hashing import CHUNK
+from .pieces import iter_pieced, read_pieced_into, read_pieced_range
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Reader:
 
     def iter_read(self, ref: SaveRef, name: str, chunk: int = CHUNK) -> Iterator[bytes]:
         key, comp = self._component(ref, name)
+        if comp.pieces is not None:
+            return iter_pieced(self.io, comp, f"component {name!r} of save {ref.save_id}", chunk)
         return self.io.verified_chunks(key, comp, f"component {name!r} of save {ref.save_id}", chunk)
 
     def read(self, ref: SaveRef, name: str) -> bytes:
@@ -68,6 +71,9 @@ class Reader:
             raise InvalidInputError("read_into needs a writable buffer, got a read-only one")
         if len(view) != comp.size:
             raise InvalidInputError(f"read_into: buffer of {len(view)} bytes for component {name!r} of {comp.size}")
+        if comp.pieces is not None:
+            read_pieced_into(self.io, comp, f"component {name!r} of save {ref.save_id}", view)
+            return
         self.io.read_verified_into(key, comp, f"component {name!r} of save {ref.save_id}", view)
 
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
@@ -76,7 +82,10 @@ class Reader:
         key, comp = self._component(ref, name)
         if not 0 <= start <= end <= comp.size:
             raise InvalidInputError(f"range [{start}, {end}) is outside component {name!r} of {comp.size} bytes")
-        data = self.io.retry.call(lambda: self.io.backend.get_range(key, start, end))
+        if comp.pieces is not None:
+            data = read_pieced_range(self.io, comp, start, end)
+        else:
+            data = self.io.retry.call(lambda: self.io.backend.get_range(key, start, end))
         if len(data) != end - start:
             raise CorruptionError(f"{self.io.where(key)}: short read ({len(data)} of {end - start} bytes)")
         return data

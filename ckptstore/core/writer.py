@@ -24,7 +24,6 @@ from ..errors import (
     NotFoundError,
     SaveAbortedError,
     StoreUnavailableError,
-    SupersededError,
 )
 from ..protocol import (
     AttemptRecord,
@@ -41,6 +40,7 @@ from ..util.redact import redact_text
 from .bounded_io import RunIO
 from .fencing import AttemptLog
 from .hashing import check_data
+from .pieces import PieceWriter, SavePieces, check_pieces
 from .record_auth import RecordAuth
 
 
@@ -54,6 +54,8 @@ class WriterContext:
     writer_id: str
     identity_digest: str
     auth: RecordAuth
+    #: set in a run whose version stores pieces (§9): components are written as pieces
+    pieces: PieceWriter | None = None
 
 
 def check_save_id(ctx: WriterContext, step: int, save_id: str) -> str:
@@ -80,6 +82,16 @@ class StagedSave:
         self._components: dict[str, ComponentEntry] = {}
         self._lock = threading.Lock()
         self.closed = False
+        #: the pieces side of this save (a version-3 run), made at the first ``put``
+        self.pieces: SavePieces | None = None
+
+    def _pieces(self) -> SavePieces | None:
+        if self.ctx.pieces is None:
+            return None
+        with self._lock:
+            if self.pieces is None:
+                self.pieces = self.ctx.pieces.begin(self.step, self.save_id)
+            return self.pieces
 
     def __enter__(self) -> StagedSave:
         return self
@@ -102,12 +114,16 @@ class StagedSave:
                     raise InvalidInputError(f"component {name!r} clashes with {other!r} (a name cannot be a folder)")
             self._components[name] = ComponentEntry(name, -1, "")  # reserve
         try:
-            size, digest = self.ctx.io.put_hashed(component_key(self.ctx.io.run_id, self.save_id, name), data)
+            pieces = self._pieces()
+            if pieces is not None:
+                entry = pieces.put(name, data)
+            else:
+                size, digest = self.ctx.io.put_hashed(component_key(self.ctx.io.run_id, self.save_id, name), data)
+                entry = ComponentEntry(name, size, digest)
         except BaseException:
             with self._lock:
                 self._components.pop(name, None)
             raise
-        entry = ComponentEntry(name, size, digest)
         with self._lock:
             self._components[name] = entry
         return entry
@@ -120,7 +136,9 @@ class StagedSave:
 
     def abort(self) -> None:
         """Close and remove what this object wrote (best effort; gc removes
-        what a killed process left)."""
+        what a killed process left). Pieces stay: they are addressed by
+        content, a retry of the same step reuses those that verify, and gc
+        sweeps the others once older than its grace period (§9)."""
         self.closed = True
         remove_components(self.ctx.io, self.save_id, self.components)
 
@@ -133,6 +151,8 @@ class StagedSave:
 
 def remove_components(io: RunIO, save_id: str, names: Mapping[str, object] | Sequence[str]) -> None:
     for name in list(names):
+        if isinstance(names, Mapping) and isinstance(c := names[name], ComponentEntry) and c.pieces is not None:
+            continue  # a pieced component has no object of its own
         try:
             io.backend.delete(component_key(io.run_id, save_id, name))
         except Exception:  # noqa: BLE001 - best effort; gc removes leftovers
@@ -142,6 +162,9 @@ def remove_components(io: RunIO, save_id: str, names: Mapping[str, object] | Seq
 def _verify_inventory(ctx: WriterContext, step: int, save_id: str, comps: Mapping[str, ComponentEntry]) -> None:
     """Every component is there with the size its writer recorded (read-after-write)."""
     io = ctx.io
+    comps = {n: c for n, c in comps.items() if c.pieces is None}  # pieces: checked by check_pieces
+    if not comps:
+        return
     prefix = save_prefix(io.run_id, save_id)
     if io.backend.capabilities.consistent_list:
         listed = {o.key[len(prefix) :]: o.size for o in io.list(prefix)}
@@ -182,26 +205,14 @@ def _settle_failed_commit(
         ) from exc
 
 
-def publish(
-    ctx: WriterContext,
-    step: int,
-    save_id: str,
-    components: Mapping[str, ComponentEntry],
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    ranks: Mapping[int, Sequence[str]] | None = None,
-    world_size: int | None = None,
-    expect: Sequence[str] = (),
-) -> SaveRef:
-    """Publish a staged save (§4.3 steps 4-7): inventory, pre-commit fence,
-    create-if-absent of the commit record, post-commit fence.
-
-    Every failure raises a :class:`SaveNotPublishedError` subclass. Before the
-    commit, the staged components are removed; after an unknown outcome
-    (:class:`CommitUnknownError`) nothing is removed.
-    """
+def _check(
+    ctx: WriterContext, step: int, save_id: str, comps: dict[str, ComponentEntry],
+    ranks: Mapping[int, Sequence[str]] | None, expect: Sequence[str], pieces: SavePieces | None,
+) -> dict[int, tuple[str, ...]] | None:
+    """Publish, step 1 (§4.3 steps 4-5): the inventory is complete and landed
+    (pieces included, §9.4), and no later attempt forked before this step.
+    Returns the rank map. Before raising, what was written is removed."""
     check_save_id(ctx, step, save_id)
-    comps = dict(components)
     pending = [n for n, c in comps.items() if c.size < 0]
     if pending:
         raise SaveAbortedError(f"components still being written at commit: {pending}")
@@ -220,13 +231,31 @@ def publish(
         named = [n for names in rank_map.values() for n in names]
         if sorted(named) != sorted(comps):
             raise InvalidInputError("ranks must name every component exactly once")
+    pieced = any(c.pieces is not None for c in comps.values())
+    if pieced and not ctx.io.layout.pieces:
+        raise InvalidInputError(f"run {ctx.io.run_id!r} is protocol version {ctx.io.layout.version}: its saves "
+                                "cannot name pieces (version 3 and later)")
     try:
+        if pieces is not None:
+            pieces.check_before_publish(comps)
+        elif pieced:
+            problems = check_pieces(ctx.io, comps.values(), None, deep=False)
+            if problems:
+                raise SaveAbortedError(f"save of step {step}: {problems[0][1]}; nothing was published")
         _verify_inventory(ctx, step, save_id, comps)
         ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)
     except BaseException:
         remove_components(ctx.io, save_id, comps)  # nothing was published: remove what was written
         raise
-    record = ctx.auth.seal(CommitRecord(
+    return rank_map
+
+
+def _seal(
+    ctx: WriterContext, step: int, save_id: str, comps: dict[str, ComponentEntry], metadata: Mapping[str, Any] | None,
+    rank_map: dict[int, tuple[str, ...]] | None, world_size: int | None,
+) -> CommitRecord:
+    """Publish, step 2: the commit record, tagged when a key is configured."""
+    return ctx.auth.seal(CommitRecord(
         run_id=ctx.io.run_id,
         step=step,
         attempt=ctx.attempt.number,
@@ -240,12 +269,18 @@ def publish(
         world_size=world_size,
         version=ctx.io.layout.version,
     ), ctx.io.run_id)
+
+
+def _create(
+    ctx: WriterContext, step: int, save_id: str, record: CommitRecord, comps: Mapping[str, ComponentEntry]
+) -> None:
+    """Publish, step 3 (§4.3 step 6): create-if-absent of the commit record.
+    A :class:`CommitUnknownError` passes through with the components kept
+    (the record may have landed)."""
     key = ctx.io.layout.commit_key(ctx.io.run_id, step, ctx.attempt.number)
     data = record.encode()
     try:
         created = ctx.io.create(key, data, what="commit record")
-    except CommitUnknownError:
-        raise  # may have landed: keep the components
     except StoreUnavailableError as exc:
         # A definite failure (e.g. no space left for the record). If the record is
         # not there, nothing was published: remove the save's bytes now instead of
@@ -260,10 +295,14 @@ def publish(
             f"run {ctx.io.run_id!r}: step {step} was already committed by another writer of "
             f"attempt {ctx.attempt.number}; this save ({save_id}) was not published"
         )
+
+
+def _post_fence(ctx: WriterContext, step: int) -> None:
+    """Publish, step 4 (§4.3 step 7): no later attempt fenced this save off.
+    :class:`SupersededError` passes through; a fence that cannot be read
+    makes the outcome unknown."""
     try:
         ctx.attempts.check_not_superseded(ctx.attempt, step, committed=True)
-    except SupersededError:
-        raise
     except (StoreUnavailableError, CorruptionError) as exc:
         # The record landed, but whether a newer attempt fenced us off cannot be told.
         raise CommitUnknownError(
@@ -271,6 +310,37 @@ def publish(
             f"check failed ({redact_text(str(exc))}); treat the save as not acknowledged — latest_complete() tells whether "
             "it is selectable"
         ) from exc
+
+
+def publish(
+    ctx: WriterContext,
+    step: int,
+    save_id: str,
+    components: Mapping[str, ComponentEntry],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    ranks: Mapping[int, Sequence[str]] | None = None,
+    world_size: int | None = None,
+    expect: Sequence[str] = (),
+    pieces: SavePieces | None = None,
+) -> SaveRef:
+    """Publish a staged save (§4.3 steps 4-7): check (inventory, pieces,
+    pre-commit fence), seal the record, create it if absent, post-commit fence.
+
+    Every failure raises a :class:`SaveNotPublishedError` subclass. Before the
+    commit, the staged components are removed; after an unknown outcome
+    (:class:`CommitUnknownError`) nothing is removed. ``pieces``: the save's
+    pieces side, when it was staged in this process (its intent is checked).
+    """
+    comps = dict(components)
+    if pieces is None and ctx.pieces is not None:
+        pieces = ctx.pieces.active(save_id)
+    rank_map = _check(ctx, step, save_id, comps, ranks, expect, pieces)
+    record = _seal(ctx, step, save_id, comps, metadata, rank_map, world_size)
+    _create(ctx, step, save_id, record, comps)
+    _post_fence(ctx, step)
+    if ctx.pieces is not None:
+        ctx.pieces.learn(record)  # the next save skips these pieces; their intent is written now
     return SaveRef.of(record)
 
 

@@ -39,6 +39,7 @@ from ..errors import (
     SaveAbortedError,
 )
 from ..identity import RunIdentity, identity_digest, normalize_identity
+from ..protocol.records import PieceRef, pieces_digest
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
 from ..store import CheckpointStore
@@ -84,6 +85,25 @@ def _ref_from_json(store: CheckpointStore, d: Mapping[str, Any]) -> SaveRef:
             f"({ref.manifest_digest[:12]} vs {str(d['manifest_digest'])[:12]})"
         )
     return ref
+
+
+def entry_to_json(c: P.ComponentEntry) -> list[Any]:
+    """A component of a rank's inventory as a message: [size, blake3] and, for a
+    pieced component (PROTOCOL.md §9), its pieces."""
+    return [c.size, c.blake3] + ([[p.to_json() for p in c.pieces]] if c.pieces is not None else [])
+
+
+def entry_from_json(name: str, entry: Any) -> P.ComponentEntry:
+    """The inverse of :func:`entry_to_json`; a piece list that does not add up is refused."""
+    size, digest = int(entry[0]), str(entry[1])
+    if len(entry) < 3:
+        return P.ComponentEntry(name, size, digest)
+    pieces = tuple(PieceRef(str(h), str(d), int(n)) for h, d, n in entry[2])
+    if sum(p.size for p in pieces) != size or pieces_digest(pieces) != digest or any(
+        P.parse_save_id(p.holder) is None for p in pieces
+    ):
+        raise SaveAbortedError(f"component {name!r}: its piece list does not add up; nothing was published")
+    return P.ComponentEntry(name, size, digest, pieces)
 
 
 class DistributedRun:
@@ -189,7 +209,7 @@ class DistributedSave:
             report: dict[str, Any] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         else:
             comps = self._staged.components
-            report = {"ok": True, "components": {n: [c.size, c.blake3] for n, c in sorted(comps.items())}}
+            report = {"ok": True, "components": {n: entry_to_json(c) for n, c in sorted(comps.items())}}
         if exc is not None and not isinstance(exc, Exception):
             # KeyboardInterrupt, SystemExit: tell the others, then let it propagate unchanged
             with contextlib.suppress(CkptStoreError):
@@ -231,14 +251,14 @@ class DistributedSave:
             ranks: dict[int, list[str]] = {}
             for r, inv in sorted(invs.items()):
                 names = []
-                for n, (size, digest) in dict(inv["components"]).items():
+                for n, entry in dict(inv["components"]).items():
                     if n in owner:
                         raise SaveAbortedError(
                             f"save of step {self.step}: component {n!r} was written by rank {owner[n]} and rank {r}; "
                             "component names must be unique across ranks (prefix them with the rank)"
                         )
                     owner[n] = r
-                    comps[n] = P.ComponentEntry(n, int(size), str(digest))
+                    comps[n] = entry_from_json(n, entry)
                     names.append(n)
                 ranks[r] = sorted(names)
             _reached("before_publish")

@@ -58,6 +58,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
         "last_valid_checkpoint": None if latest is None else {
             "step": latest.step, "attempt": latest.attempt, "save_id": latest.save_id,
             "manifest_digest": latest.manifest_digest, "bytes": latest.total_bytes,
+            "bytes_written": latest.record.bytes_written(),
         },
         "skipped_newer_candidates": [s.to_json() for s in sel.skipped],
         "discarded_checkpoints": _discarded(saves),
@@ -162,7 +163,8 @@ def _discarded(saves: list[SaveInfo]) -> list[dict[str, Any]]:
 
 
 def _cost(saves: list[SaveInfo], acc: Accounting, budget: Budget) -> dict[str, Any]:
-    storage_gb = sum(i.bytes for i in saves) / 1e9
+    # pieces (PROTOCOL.md §9) counted once, by the save that holds them
+    storage_gb = sum(max(i.bytes, i.bytes_written or 0) for i in saves) / 1e9
     billed = acc.spent_gpu_hours
     ordinary = acc.accepted_steps * budget.gpu_hours_per_step
     costs = compare_costs(ordinary, billed, budget.ordinary_price_per_gpu_hour, budget.price_per_gpu_hour)

@@ -22,14 +22,22 @@ ATTEMPTS_DIR = "attempts"
 SAVES_DIR = "saves"
 COMMITS_DIR = "commits"
 EVENTS_DIR = "events"
+PIECES_DIR = "pieces"
+INTENTS_DIR = "intents"
 
 STEP_WIDTH = 12
 ATTEMPT_WIDTH = 8
 MAX_STEP = 10**STEP_WIDTH - 1
 MAX_ATTEMPT = 10**ATTEMPT_WIDTH - 1
 
-#: The newest protocol version this code reads, and the one it gives new runs.
-PROTOCOL_VERSION = 2
+#: The newest protocol version this code reads and writes. Version 3 is version 2
+#: plus pieces addressed by content (PROTOCOL.md §9); new runs get
+#: :data:`DEFAULT_VERSION` unless their creator asks for another.
+PROTOCOL_VERSION = 3
+#: The version of runs created without asking for one.
+DEFAULT_VERSION = 2
+#: The first version whose saves store their bytes as shared pieces.
+PIECES_VERSION = 3
 
 #: Reserved for backends' temporary names (the local backend's temp files);
 #: never part of a key, so a temporary can never be mistaken for an object.
@@ -49,6 +57,8 @@ _COMMIT_V2_RE = re.compile(
 _ATTEMPT_RE = re.compile(rf"([0-9]{{{ATTEMPT_WIDTH}}})\.json", re.ASCII)
 _SAVE_ID_RE = re.compile(rf"([0-9]{{{STEP_WIDTH}}})-([0-9]{{{ATTEMPT_WIDTH}}})-([0-9a-f]{{12}})", re.ASCII)
 _EVENT_RE = re.compile(r"([0-9]{20})-([A-Za-z0-9_-]{1,64})-([0-9a-f]{8})\.json", re.ASCII)
+_HEX64_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_INTENT_RE = re.compile(rf"([0-9]{{{ATTEMPT_WIDTH}}})-([0-9a-f]{{12}})\.json", re.ASCII)
 _EVENT_KIND_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 
 
@@ -142,6 +152,53 @@ def events_prefix(run_id: str) -> str:
     return f"{run_id}/{EVENTS_DIR}/"
 
 
+def pieces_prefix(run_id: str) -> str:
+    return f"{run_id}/{PIECES_DIR}/"
+
+
+def piece_key(run_id: str, holder: str, digest: str) -> str:
+    """Where a piece lives: under the save that first wrote it (its *holder*),
+    named by its BLAKE3 (PROTOCOL.md §9.1)."""
+    return f"{run_id}/{PIECES_DIR}/{holder}/{digest}"
+
+
+def parse_piece_key(run_id: str, key: str) -> tuple[str, str] | None:
+    """(holder save ID, digest) of a listed piece key, only for exactly that
+    canonical key; None for anything else (never a piece, never deleted)."""
+    prefix = pieces_prefix(run_id)
+    if not isinstance(key, str) or not key.startswith(prefix):
+        return None
+    holder, _, digest = key[len(prefix) :].partition("/")
+    if parse_save_id(holder) is None or not _HEX64_RE.fullmatch(digest):
+        return None
+    return holder, digest
+
+
+def is_digest(value: object) -> bool:
+    return isinstance(value, str) and _HEX64_RE.fullmatch(value) is not None
+
+
+def intents_prefix(run_id: str) -> str:
+    return f"{run_id}/{INTENTS_DIR}/"
+
+
+def new_intent_key(run_id: str, attempt: int) -> str:
+    """A fresh save-intent key of ``attempt`` (``intents/<attempt:08d>-<12 hex>.json``)."""
+    if not 1 <= attempt <= MAX_ATTEMPT:
+        raise InvalidInputError(f"attempt number {attempt} is outside 1..{MAX_ATTEMPT}")
+    return f"{run_id}/{INTENTS_DIR}/{attempt:0{ATTEMPT_WIDTH}d}-{uuid.uuid4().hex[:12]}.json"
+
+
+def parse_intent_key(run_id: str, key: str) -> int | None:
+    """The attempt of a listed save-intent key in its one spelling; None otherwise."""
+    prefix = intents_prefix(run_id)
+    m = _INTENT_RE.fullmatch(key[len(prefix) :]) if isinstance(key, str) and key.startswith(prefix) else None
+    if m is None:
+        return None
+    n = int(m.group(1))
+    return n if 1 <= n <= MAX_ATTEMPT and f"{prefix}{n:0{ATTEMPT_WIDTH}d}-{m.group(2)}.json" == key else None
+
+
 def event_name(usec: int, kind: str) -> str:
     return f"{usec:020d}-{validate_event_kind(kind)}-{uuid.uuid4().hex[:8]}.json"
 
@@ -223,6 +280,11 @@ class Layout:
     def newest_first(self) -> bool:
         return self.version >= 2
 
+    @property
+    def pieces(self) -> bool:
+        """Saves of this version store their bytes as shared pieces (§9)."""
+        return self.version >= PIECES_VERSION
+
     def commit_name(self, step: int, attempt: int) -> str:
         validate_step(step)
         if not 1 <= attempt <= MAX_ATTEMPT:
@@ -266,9 +328,11 @@ class Layout:
 
 LAYOUT_V1 = Layout(1)
 LAYOUT_V2 = Layout(2)
-#: The layout of runs created now (``PROTOCOL_VERSION``).
+#: Version 3: the names of version 2, saves stored as pieces addressed by content.
+LAYOUT_V3 = Layout(3)
+#: The layout of runs created without asking for a version (``DEFAULT_VERSION``).
 LATEST_LAYOUT = LAYOUT_V2
-_LAYOUTS = {1: LAYOUT_V1, 2: LAYOUT_V2}
+_LAYOUTS = {1: LAYOUT_V1, 2: LAYOUT_V2, 3: LAYOUT_V3}
 
 
 def layout_of(version: int) -> Layout:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,7 +22,17 @@ import blake3
 from ..errors import CorruptionError
 from .auth import AuthTag
 from .canonical import canonical_json, decode_json
-from .layout import MAX_ATTEMPT, MAX_STEP, PROTOCOL_VERSION, is_component_name, parse_save_id, validate_event_kind
+from .layout import (
+    DEFAULT_VERSION,
+    MAX_ATTEMPT,
+    MAX_STEP,
+    PIECES_VERSION,
+    PROTOCOL_VERSION,
+    is_component_name,
+    is_digest,
+    parse_save_id,
+    validate_event_kind,
+)
 
 # PROTOCOL_VERSION (defined with the layouts): a reader accepts records whose
 # version is <= it; a record with a higher version is reported as "unsupported
@@ -35,6 +45,9 @@ MAX_RUN_RECORD = 1 << 20
 MAX_ATTEMPT_RECORD = 64 << 10
 MAX_COMMIT_RECORD = 16 << 20
 MAX_EVENT_RECORD = 1 << 20
+MAX_INTENT_RECORD = 16 << 20
+#: Pieces one commit record may name in all (its 16 MiB cap bounds them too).
+MAX_PIECES = 200_000
 MAX_COMPONENTS = 100_000
 MAX_ABANDONS = 1024
 MAX_SIZE = 1 << 62
@@ -183,7 +196,7 @@ class RunRecord(Signable):
     auth: AuthTag | None = field(default=None, compare=False)
     body_digest: str = field(default="", compare=False)
     #: protocol version stamped into the record: the version of the run it belongs to
-    version: int = field(default=PROTOCOL_VERSION, compare=False)
+    version: int = field(default=DEFAULT_VERSION, compare=False)
     kind = "run"
 
     def to_record(self) -> dict[str, Any]:
@@ -232,7 +245,7 @@ class AttemptRecord(Signable):
     auth: AuthTag | None = field(default=None, compare=False)
     body_digest: str = field(default="", compare=False)
     #: protocol version stamped into the record: the version of the run it belongs to
-    version: int = field(default=PROTOCOL_VERSION, compare=False)
+    version: int = field(default=DEFAULT_VERSION, compare=False)
     kind = "attempt"
 
     def to_record(self) -> dict[str, Any]:
@@ -269,15 +282,64 @@ class AttemptRecord(Signable):
 
 
 @dataclass(frozen=True)
+class PieceRef:
+    """One piece of a component (PROTOCOL.md §9.1): ``size`` bytes whose BLAKE3
+    is ``digest``, stored under the save that first wrote them (``holder``)."""
+
+    holder: str
+    digest: str
+    size: int
+
+    def to_json(self) -> list[Any]:
+        return [self.holder, self.digest, self.size]
+
+
+def pieces_digest(pieces: Sequence[PieceRef]) -> str:
+    """The ``blake3`` of a pieced component: BLAKE3 of the canonical JSON list of
+    its pieces' ``[digest, size]``, in order. The content, not where it lives:
+    two saves of the same bytes get the same value whichever save holds them."""
+    return digest_bytes(canonical_json([[p.digest, p.size] for p in pieces]))
+
+
+@dataclass(frozen=True)
 class ComponentEntry:
-    """One component of a save, as promised by its commit record."""
+    """One component of a save, as promised by its commit record. ``pieces``
+    (version 3): the pieces whose concatenation is the component; ``blake3``
+    is then :func:`pieces_digest` of them, not of the bytes."""
 
     name: str
     size: int
     blake3: str
+    pieces: tuple[PieceRef, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "blake3": self.blake3}
+        out: dict[str, Any] = {"size": self.size, "blake3": self.blake3}
+        if self.pieces is not None:
+            out["pieces"] = [p.to_json() for p in self.pieces]
+        return out
+
+
+def _decode_pieces(raw: object, where: str, name: str, size: int, digest: str) -> tuple[PieceRef, ...]:
+    """A component's ``pieces`` list, checked: each ``[holder save ID, digest, size]``,
+    the sizes adding up to the component's, the component's digest theirs."""
+    bad = CorruptionError(f"{where}: component {name[:80]!r} has a malformed piece list")
+    if not isinstance(raw, list) or len(raw) > MAX_PIECES:
+        raise bad
+    out: list[PieceRef] = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 3:
+            raise bad
+        holder, d, n = item
+        if not isinstance(holder, str) or parse_save_id(holder) is None or not is_digest(d):
+            raise bad
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_SIZE:
+            raise bad
+        out.append(PieceRef(holder, d, n))
+    if sum(p.size for p in out) != size:
+        raise CorruptionError(f"{where}: component {name[:80]!r}: its pieces add up to another size than {size}")
+    if pieces_digest(out) != digest:
+        raise CorruptionError(f"{where}: component {name[:80]!r}: its blake3 is not the digest of its piece list")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -306,7 +368,7 @@ class CommitRecord(Signable):
     #: BLAKE3 of the stored bytes, set when decoded (they are canonical, so it is the manifest digest)
     stored_digest: str = field(default="", compare=False)
     #: protocol version stamped into the record: the version of the run it belongs to
-    version: int = field(default=PROTOCOL_VERSION, compare=False)
+    version: int = field(default=DEFAULT_VERSION, compare=False)
     kind = "commit"
 
     def to_record(self) -> dict[str, Any]:
@@ -332,6 +394,19 @@ class CommitRecord(Signable):
     @property
     def total_bytes(self) -> int:
         return sum(c.size for c in self.components.values())
+
+    def piece_refs(self) -> dict[tuple[str, str], int]:
+        """Every piece the save needs, once: (holder, digest) -> size."""
+        out: dict[tuple[str, str], int] = {}
+        for c in self.components.values():
+            for p in c.pieces or ():
+                out[(p.holder, p.digest)] = p.size
+        return out
+
+    def bytes_written(self) -> int:
+        """Bytes this save wrote itself: whole components, and pieces it holds."""
+        own = sum(c.size for c in self.components.values() if c.pieces is None)
+        return own + sum(n for (holder, _), n in self.piece_refs().items() if holder == self.save_id)
 
     def manifest_digest(self) -> str:
         return self.stored_digest or digest_bytes(self.encode())
@@ -363,7 +438,13 @@ class CommitRecord(Signable):
                 raise f.bad(f"components.{n}.size", "a byte count")
             if not isinstance(digest, str) or not _HEX64.match(digest):
                 raise f.bad(f"components.{n}.blake3", "a BLAKE3 hex digest")
-            comps[n] = ComponentEntry(n, size, digest)
+            pieces = None
+            if isinstance(c, dict) and "pieces" in c:
+                if raw["protocol_version"] < PIECES_VERSION:
+                    raise CorruptionError(f"{where}: component {n[:80]!r} lists pieces in a version-"
+                                          f"{raw['protocol_version']} record")
+                pieces = _decode_pieces(c["pieces"], where, n, size, digest)
+            comps[n] = ComponentEntry(n, size, digest, pieces)
         metadata = f.obj("metadata")
         assert metadata is not None
         ranks: dict[int, tuple[str, ...]] | None = None
@@ -397,7 +478,7 @@ class EventRecord(Signable):
     auth: AuthTag | None = field(default=None, compare=False)
     body_digest: str = field(default="", compare=False)
     #: protocol version stamped into the record: the version of the run it belongs to
-    version: int = field(default=PROTOCOL_VERSION, compare=False)
+    version: int = field(default=DEFAULT_VERSION, compare=False)
     kind = "event"
 
     def to_record(self) -> dict[str, Any]:
@@ -430,4 +511,54 @@ class EventRecord(Signable):
         return cls(
             kind, f.time("at"), f.int_in("attempt", 1, MAX_ATTEMPT, optional=True), payload, *_auth_of(raw, where, data),
             version=raw["protocol_version"],
+        )
+
+
+@dataclass(frozen=True)
+class IntentRecord(Signable):
+    """A save intent (PROTOCOL.md §9.3): the pieces a writer of ``attempt`` may
+    rely on in a save that is not committed yet, written before it relies on
+    them, live until ``expires_at``. gc keeps every piece a live intent names."""
+
+    run_id: str
+    attempt: int
+    created_at: float
+    expires_at: float
+    pieces: tuple[tuple[str, str], ...]
+    auth: AuthTag | None = field(default=None, compare=False)
+    body_digest: str = field(default="", compare=False)
+    version: int = field(default=PIECES_VERSION, compare=False)
+    kind = "intent"
+
+    def to_record(self) -> dict[str, Any]:
+        return _with_auth({
+            "protocol_version": self.version,
+            "kind": "intent",
+            "run_id": self.run_id,
+            "attempt": self.attempt,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "pieces": [list(p) for p in sorted(self.pieces)],
+        }, self.auth)
+
+    @classmethod
+    def decode(cls, data: bytes, where: str, *, run_id: str | None = None, attempt: int | None = None) -> IntentRecord:
+        raw = _decode(data, kind="intent", where=where, max_bytes=MAX_INTENT_RECORD)
+        f = _Fields(raw, where, "intent")
+        n = f.int_in("attempt", 1, MAX_ATTEMPT)
+        assert n is not None
+        if attempt is not None and n != attempt:
+            raise CorruptionError(f"{where}: intent record names attempt {n}, its key says {attempt}")
+        listed = f.rec.get("pieces")
+        if not isinstance(listed, list) or len(listed) > MAX_PIECES or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and parse_save_id(p[0]) is not None
+            and is_digest(p[1]) for p in listed
+        ):
+            raise f.bad("pieces", "a list of [holder save ID, digest] pairs")
+        created, expires = f.time("created_at"), f.time("expires_at")
+        if expires < created:
+            raise f.bad("expires_at", "a time after created_at")
+        return cls(
+            _check_run_id(f, run_id), n, created, expires, tuple((p[0], p[1]) for p in listed),
+            *_auth_of(raw, where, data), version=raw["protocol_version"],
         )

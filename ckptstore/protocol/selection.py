@@ -176,9 +176,15 @@ class SaveInfo:
     created_at: float | None
     selected: bool = False
     ref: SaveRef | None = None
+    #: committed saves: bytes the save wrote itself (its own components and
+    #: the pieces it holds) and bytes its record names in all (§9)
+    bytes_written: int | None = None
+    bytes_referenced: int | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
+            "bytes_written": self.bytes_written,
+            "bytes_referenced": self.bytes_referenced,
             "save_id": self.save_id,
             "step": self.step,
             "attempt": self.attempt,

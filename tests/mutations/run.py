@@ -67,6 +67,7 @@ INVENTORY = ("        _verify_inventory(ctx, step, save_id, comps)\n"
              "        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)\n")
 COMMIT = '        created = ctx.io.create(key, data, what="commit record")\n'
 POST_FENCE = "    try:\n        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=True)\n"
+POST_FENCE_CALL = "    _post_fence(ctx, step)\n"
 
 MUTATIONS: list[Mutation] = [
     # ---- the round-1 survivors
@@ -83,7 +84,7 @@ MUTATIONS: list[Mutation] = [
         "the inventory is checked before, not after, the commit record is created",
         WRITER,
         ((INVENTORY, "        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)\n"),
-         (POST_FENCE, "    _verify_inventory(ctx, step, save_id, comps)\n" + POST_FENCE)),
+         (POST_FENCE_CALL, "    _verify_inventory(ctx, step, save_id, comps)\n" + POST_FENCE_CALL)),
         (f"{T_INV}::test_acknowledged_put_that_is_not_there_is_never_committed",),
         survivor=True,
     ),

@@ -1,0 +1,452 @@
+"""Pieces addressed by content, carried out (PROTOCOL.md §9): writing a
+component as pieces that skip what the run already holds, the save intent
+that protects reused pieces from gc, checking and reading pieced components,
+and which pieces of a save another store lacks (for replication).
+
+The cut points and the sweep rule are pure (:mod:`ckptstore.protocol.pieces`);
+this module does the I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import blake3
+
+from ..backends.base import Backend
+from ..errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError, SaveAbortedError
+from ..protocol import CommitRecord, ComponentEntry
+from ..protocol.layout import (
+    STEP_WIDTH,
+    intents_prefix,
+    new_intent_key,
+    parse_intent_key,
+    parse_piece_key,
+    piece_key,
+    pieces_prefix,
+)
+from ..protocol.pieces import ListedPiece, cut_pieces
+from ..protocol.records import IntentRecord, PieceRef, pieces_digest
+from ..protocol.selection import SkipReason
+from .bounded_io import RunIO
+from .hashing import CHUNK, as_buffer, describe_type
+
+Problems = list[tuple[SkipReason, str]]
+#: Pieces uploaded at the same time by one ``put``.
+UPLOAD_CONCURRENCY = 4
+#: An intent older than this share of its lifetime is renewed before a save relies on it.
+RENEW_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class PieceTiming:
+    """The two times every writer and gc of a run must agree on (§9.4).
+
+    ``window``: a gc deletes pieces only within ``window / 2`` of listing the
+    intents; a writer relies on its intent only ``window`` after creating it.
+    ``intent_ttl``: how long an intent lives; gc's grace period must be at
+    least this long (gc refuses to sweep otherwise).
+    """
+
+    window: float = 2.0
+    intent_ttl: float = 3600.0
+
+
+def _buffers(data: Any) -> Iterator[memoryview]:
+    """The component's data as flat byte views (one per buffer of an iterable)."""
+    mv = as_buffer(data)
+    if mv is not None:
+        yield mv
+        return
+    if hasattr(data, "read"):
+        while True:
+            block = data.read(1 << 23)
+            if block is None:
+                continue
+            if isinstance(block, str):
+                raise InvalidInputError("component file object is in text mode; open it with 'rb'")
+            if not block:
+                return
+            yield memoryview(block)
+    for i, item in enumerate(data):
+        b = as_buffer(item)
+        if b is None:
+            raise InvalidInputError(f"component data item {i} is {describe_type(item)}, not a bytes-like buffer")
+        yield b
+
+
+# --------------------------------------------------------------------- intents
+@dataclass
+class Intent:
+    """The writer's current save intent: what it names and when it landed."""
+
+    key: str
+    record: IntentRecord
+    #: ``time.monotonic()`` when its create returned (it was visible by then)
+    landed: float
+
+    @property
+    def names(self) -> frozenset[tuple[str, str]]:
+        return frozenset(self.record.pieces)
+
+
+def list_intents(io: RunIO) -> tuple[dict[str, IntentRecord], list[str]]:
+    """Every intent record of the run (key -> record) and the keys that could not be read."""
+    good: dict[str, IntentRecord] = {}
+    bad: list[str] = []
+    listed = [o for o in io.list(intents_prefix(io.run_id), flat=True)]
+    keys = [o.key for o in listed if parse_intent_key(io.run_id, o.key) is not None]
+    for key, data in zip(keys, io.get_many_bounded(keys, 16 << 20), strict=True):
+        if data is None:
+            continue  # removed since the listing: it protects nothing any more
+        try:
+            good[key] = IntentRecord.decode(data, io.where(key), run_id=io.run_id,
+                                            attempt=parse_intent_key(io.run_id, key))
+        except CorruptionError as exc:
+            bad.append(f"{key}: {str(exc)[:200]}")
+    return good, bad
+
+
+def list_pieces(io: RunIO, holder: str | None = None) -> dict[tuple[str, str], ListedPiece]:
+    """The run's pieces (or one holder's), by (holder, digest); other keys under ``pieces/`` are ignored."""
+    prefix = pieces_prefix(io.run_id) + (f"{holder}/" if holder is not None else "")
+    out: dict[tuple[str, str], ListedPiece] = {}
+    for o in io.list(prefix):
+        hd = parse_piece_key(io.run_id, o.key)
+        if hd is not None:
+            out[hd] = ListedPiece(o.key, hd[0], hd[1], o.size, o.mtime)
+    return out
+
+
+class PieceWriter:
+    """One writer's view of the run's pieces: the pieces of the newest commit
+    it knows (in memory, never listed per piece) and the save intent naming
+    them. Shared by the saves of one store."""
+
+    def __init__(self, io: RunIO, attempt: int, timing: PieceTiming) -> None:
+        self.io = io
+        self.attempt = attempt
+        self.timing = timing
+        self._lock = threading.Lock()
+        self.known: dict[str, PieceRef] = {}
+        self.intent: Intent | None = None
+        self._saves: dict[str, SavePieces] = {}
+
+    def active(self, save_id: str) -> SavePieces | None:
+        """The pieces side of a save this writer staged and has not published."""
+        with self._lock:
+            return self._saves.get(save_id)
+
+    def learn(self, rec: CommitRecord | None) -> None:
+        """Take the pieces of ``rec`` (the newest commit) as the ones saves may
+        skip, and write the intent naming them now, so that the next save
+        finds it already old enough to rely on."""
+        known: dict[str, PieceRef] = {}
+        if rec is not None:
+            for c in rec.components.values():
+                for p in c.pieces or ():
+                    known.setdefault(p.digest, p)
+        with self._lock:
+            self.known = known
+            if rec is not None:
+                self._saves.pop(rec.save_id, None)
+        try:
+            self._arm(frozenset((p.holder, p.digest) for p in known.values()))
+        except CkptStoreError:
+            pass  # the save is published; the next save writes its intent before relying on these pieces
+
+    def _arm(self, names: frozenset[tuple[str, str]]) -> Intent | None:
+        """Write an intent naming ``names`` (none when empty), then remove the previous one."""
+        old = self.intent
+        if not names:
+            self.intent = None
+        else:
+            t = time.time()
+            rec = IntentRecord(self.io.run_id, self.attempt, t, t + self.timing.intent_ttl, tuple(sorted(names)),
+                               version=self.io.layout.version)
+            key = new_intent_key(self.io.run_id, self.attempt)
+            self.io.create(key, rec.encode(), what="save intent")
+            self.intent = Intent(key, rec, time.monotonic())
+        if old is not None:
+            try:
+                self.io.delete(old.key)
+            except Exception:  # noqa: BLE001 - best effort: an old intent only keeps pieces a while longer
+                pass
+        return self.intent
+
+    def begin(self, step: int, save_id: str) -> SavePieces:
+        """The pieces context of one save of ``step``: the known pieces, plus
+        those an earlier, uncommitted save of the same step left (a resumed
+        failed save reuses them once they verify); the intent is renewed when
+        it does not name them all or is half way through its life."""
+        with self._lock:
+            known = dict(self.known)
+        left = self._left_by_step(step, save_id, {p.holder for p in known.values()})
+        names = frozenset((p.holder, p.digest) for p in known.values()) | frozenset(left)
+        intent = self.intent
+        stale = intent is not None and time.time() > intent.record.created_at + RENEW_SHARE * self.timing.intent_ttl
+        if names and (intent is None or not names <= intent.names or stale):
+            intent = self._arm(names)
+            if known:
+                # the old intent may have lapsed and gc swept what it named: rely only on what is still there
+                there = _holder_listing(self.io, {p.holder for p in known.values()})
+                known = {d: p for d, p in known.items() if there.get((p.holder, p.digest)) == p.size}
+        save = SavePieces(self, save_id, known, left, intent)
+        with self._lock:
+            self._saves[save_id] = save
+        return save
+
+    def _left_by_step(self, step: int, save_id: str, skip: set[str]) -> dict[tuple[str, str], int]:
+        """Pieces under holders of ``step`` (other saves of the same step: a failed attempt's)."""
+        prefix = pieces_prefix(self.io.run_id) + f"{step:0{STEP_WIDTH}d}-"
+        out: dict[tuple[str, str], int] = {}
+        for o in self.io.list(prefix):
+            hd = parse_piece_key(self.io.run_id, o.key)
+            if hd is not None and hd[0] != save_id and hd[0] not in skip:
+                out[hd] = o.size
+        return out
+
+    def close(self) -> None:
+        """Remove the intent (best effort: an intent left behind expires)."""
+        if self.intent is not None:
+            try:
+                self.io.delete(self.intent.key)
+            except Exception:  # noqa: BLE001 - it expires on its own
+                pass
+            self.intent = None
+
+
+@dataclass
+class SavePieces:
+    """The pieces side of one save: what it may skip, what it wrote."""
+
+    owner: PieceWriter
+    save_id: str
+    known: dict[str, PieceRef]
+    #: (holder, digest) -> size of pieces a failed save of the same step left (not yet verified)
+    left: dict[tuple[str, str], int]
+    intent: Intent | None
+    started: float = field(default_factory=time.monotonic)
+    written: dict[str, PieceRef] = field(default_factory=dict)
+    reused_bytes: int = 0
+    written_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _left_by_digest: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: pieces of other saves this save relies on (its intent must name them)
+    relied: set[tuple[str, str]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        for (holder, digest), size in self.left.items():
+            self._left_by_digest.setdefault(digest, (holder, size))
+
+    def _reuse(self, digest: str, size: int) -> PieceRef | None:
+        with self._lock:
+            hit = self.known.get(digest) or self.written.get(digest)
+        if hit is not None and hit.size == size:
+            return hit
+        left = self._left_by_digest.get(digest)
+        if left is not None and left[1] == size:
+            key = piece_key(self.owner.io.run_id, left[0], digest)
+            try:
+                seen, got = self.owner.io.hash_object(key, size)
+            except NotFoundError:
+                return None
+            if seen == size and got == digest:  # it verifies: reuse it, as every later save will
+                ref = PieceRef(left[0], digest, size)
+                with self._lock:
+                    self.known[digest] = ref
+                return ref
+        return None
+
+    def put(self, name: str, data: Any) -> ComponentEntry:
+        """Write one component as pieces: each piece hashed, skipped when the
+        run already holds it, else uploaded under this save."""
+        io = self.owner.io
+        refs: list[PieceRef] = []
+        pending: list[Future[None]] = []
+        pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="ckptstore-piece")
+        try:
+            for piece in cut_pieces(_buffers(data)):
+                digest = blake3.blake3(piece, max_threads=blake3.blake3.AUTO if len(piece) >= 1 << 22 else 1).hexdigest()
+                size = len(piece)
+                ref = self._reuse(digest, size)
+                if ref is not None and ref.holder != self.save_id:
+                    with self._lock:
+                        self.relied.add((ref.holder, ref.digest))
+                if ref is None:
+                    ref = PieceRef(self.save_id, digest, size)
+                    with self._lock:
+                        first = digest not in self.written
+                        self.written.setdefault(digest, ref)
+                    if first:
+                        key = piece_key(io.run_id, self.save_id, digest)
+                        pending.append(pool.submit(io.retry.call, partial(io.backend.put, key, [piece])))
+                        self.written_bytes += size
+                        while len(pending) >= 2 * UPLOAD_CONCURRENCY:
+                            pending.pop(0).result()
+                else:
+                    self.reused_bytes += size
+                refs.append(ref)
+            for f in pending:
+                f.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return ComponentEntry(name, sum(p.size for p in refs), pieces_digest(refs), tuple(refs))
+
+    def check_before_publish(self, components: Mapping[str, ComponentEntry]) -> None:
+        """§9.4 at publish: the save ran shorter than its intent's lifetime
+        less the window; the intent is at least ``window`` old (waited for when
+        needed) and not near expiry; every piece the save names is there with
+        its size. Otherwise :class:`SaveAbortedError` (nothing published)."""
+        timing = self.owner.timing
+        if time.monotonic() - self.started > timing.intent_ttl - timing.window:
+            raise SaveAbortedError(
+                f"save {self.save_id} took longer than its pieces are protected ({timing.intent_ttl:.0f}s less the "
+                f"{timing.window:.0f}s window); nothing was published"
+            )
+        with self._lock:
+            reused = set(self.relied)  # other processes' (ranks') reuse is under their own intents
+        if reused:
+            intent = self.intent
+            if intent is None or not reused <= intent.names:
+                raise SaveAbortedError(f"save {self.save_id} relies on pieces no save intent names; nothing was published")
+            wait = intent.landed + timing.window - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            if time.time() > intent.record.expires_at - timing.window:
+                raise SaveAbortedError(f"save {self.save_id}: its save intent expired; nothing was published")
+        problems = check_pieces(self.owner.io, components.values(), None, deep=False)
+        if problems:
+            raise SaveAbortedError(
+                f"save {self.save_id}: {problems[0][1]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                + "; nothing was published"
+            )
+
+    def abort(self) -> None:
+        """Remove the pieces this save wrote (best effort; gc removes leftovers)."""
+        io = self.owner.io
+        with self._lock:
+            mine = list(self.written)
+        for digest in mine:
+            try:
+                io.backend.delete(piece_key(io.run_id, self.save_id, digest))
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+
+# ----------------------------------------------------------- checking, reading
+def _holder_listing(io: RunIO, holders: Iterable[str]) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for h in sorted(set(holders)):
+        out.update({hd: p.size for hd, p in list_pieces(io, h).items()})
+    return out
+
+
+def check_pieces(
+    io: RunIO, components: Iterable[ComponentEntry], listed: Mapping[tuple[str, str], ListedPiece] | None,
+    deep: bool, memo: set[tuple[str, str]] | None = None,
+) -> Problems:
+    """Every piece of the pieced ``components`` present with its size (from
+    ``listed``, else one listing per holder); with ``deep`` each piece hashed,
+    once per operation (``memo``: pieces already hashed and found good)."""
+    comps = [c for c in components if c.pieces is not None]
+    if not comps:
+        return []
+    need: dict[tuple[str, str], int] = {}
+    for c in comps:
+        for p in c.pieces or ():
+            need[(p.holder, p.digest)] = p.size
+    sizes = ({hd: p.size for hd, p in listed.items()} if listed is not None
+             else _holder_listing(io, (h for h, _ in need)))
+    problems: Problems = []
+    for c in sorted(comps, key=lambda c: c.name):
+        for p in c.pieces or ():
+            hd = (p.holder, p.digest)
+            got = sizes.get(hd)
+            if got is None:
+                problems.append((SkipReason.MISSING_COMPONENT, f"component {c.name!r}: piece {p.digest[:16]} of save "
+                                 f"{p.holder} is missing"))
+            elif got != p.size:
+                problems.append((SkipReason.SIZE_MISMATCH, f"component {c.name!r}: piece {p.digest[:16]} has {got} "
+                                 f"bytes, record says {p.size}"))
+    if problems or not deep:
+        return problems
+    memo = memo if memo is not None else set()
+    for hd, size in sorted(need.items()):
+        if hd in memo:
+            continue
+        try:
+            seen, digest = io.hash_object(piece_key(io.run_id, *hd), size)
+        except NotFoundError:
+            problems.append((SkipReason.MISSING_COMPONENT, f"piece {hd[1][:16]} of save {hd[0]} vanished while hashing"))
+            continue
+        if seen != size or digest != hd[1]:
+            problems.append((SkipReason.HASH_MISMATCH, f"piece {hd[1][:16]} of save {hd[0]}: BLAKE3 does not match"))
+        else:
+            memo.add(hd)
+    return problems
+
+
+def _piece_entry(p: PieceRef) -> ComponentEntry:
+    return ComponentEntry(p.digest, p.size, p.digest)
+
+
+def iter_pieced(io: RunIO, comp: ComponentEntry, label: str, chunk: int = CHUNK) -> Iterator[bytes]:
+    """A pieced component's bytes, each piece verified before its last chunk is handed out."""
+    for p in comp.pieces or ():
+        yield from io.verified_chunks(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p),
+                                      f"{label}, piece {p.digest[:16]}", chunk)
+
+
+def read_pieced_into(io: RunIO, comp: ComponentEntry, label: str, out: memoryview) -> None:
+    """Fill ``out`` (exactly the component's size) piece by piece, each verified."""
+    off = 0
+    for p in comp.pieces or ():
+        io.read_verified_into(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p),
+                              f"{label}, piece {p.digest[:16]}", out[off : off + p.size])
+        off += p.size
+
+
+def read_pieced_range(io: RunIO, comp: ComponentEntry, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a pieced component, not verified (like ``read_range``)."""
+    parts: list[bytes] = []
+    off = 0
+    for p in comp.pieces or ():
+        lo, hi = max(start, off), min(end, off + p.size)
+        if lo < hi:
+            key = piece_key(io.run_id, p.holder, p.digest)
+            parts.append(io.retry.call(partial(io.backend.get_range, key, lo - off, hi - off)))
+        off += p.size
+    return b"".join(parts)
+
+
+# ----------------------------------------------------------------- replication
+def pieces_lacking(ref_record: CommitRecord, target: Backend, run_id: str | None = None) -> list[PieceRef]:
+    """The pieces of a save that ``target`` (another store's backend, e.g. a
+    durable tier) does not hold with their recorded size, once each, in the
+    record's order: replication uploads only these (and the components that
+    are not pieced, and the records). One listing per holder on ``target``."""
+    rid = run_id or ref_record.run_id
+    have: dict[tuple[str, str], int] = {}
+    holders = {p.holder for c in ref_record.components.values() for p in c.pieces or ()}
+    for h in sorted(holders):
+        prefix = pieces_prefix(rid) + f"{h}/"
+        for o in target.list(prefix):
+            hd = parse_piece_key(rid, o.key)
+            if hd is not None:
+                have[hd] = o.size
+    out: list[PieceRef] = []
+    seen: set[tuple[str, str]] = set()
+    for c in ref_record.components.values():
+        for p in c.pieces or ():
+            hd = (p.holder, p.digest)
+            if hd not in seen and have.get(hd) != p.size:
+                out.append(p)
+            seen.add(hd)
+    return out

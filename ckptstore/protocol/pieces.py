@@ -1,0 +1,95 @@
+"""Pieces addressed by content (PROTOCOL.md §9): where a component's bytes are
+cut, and what a piece sweep may delete. Pure: no I/O.
+
+**Cutting.** A component arrives as a sequence of buffers (the torch adapter
+hands one per tensor, after a header). A buffer of at least
+:data:`PACK_BYTES` is cut into pieces of :data:`PIECE_BYTES` from its start
+(the last one shorter); smaller buffers are packed, in order, into one piece
+until it holds at least :data:`PACK_BYTES`. The cut points depend only on the
+buffers' sizes, never on their bytes: a save of tensors of the same shapes
+cuts at the same places, so a tensor that did not change gives the same
+pieces, and the same digests, as before.
+
+**Sweeping.** :func:`plan_sweep` decides which listed pieces gc deletes:
+only pieces that nothing marks (no kept commit, no live save intent) and whose
+last write is older than the grace period.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+#: Large buffers are cut into pieces of this many bytes.
+PIECE_BYTES = 8 << 20
+#: Buffers smaller than this are packed together until a piece holds this many bytes.
+PACK_BYTES = 1 << 20
+
+
+def cut_pieces(buffers: Iterable[memoryview]) -> Iterator[memoryview]:
+    """The pieces of a component given as ``buffers`` (flat byte views), in
+    order; their concatenation is the concatenation of the buffers. A large
+    buffer's pieces are views into it (no copy); packed small buffers are
+    copied into one piece."""
+    pack: list[memoryview] = []
+    packed = 0
+    for buf in buffers:
+        if len(buf) == 0:
+            continue
+        if len(buf) >= PACK_BYTES:
+            if pack:
+                yield memoryview(b"".join(pack))
+                pack, packed = [], 0
+            for off in range(0, len(buf), PIECE_BYTES):
+                yield buf[off : off + PIECE_BYTES]
+            continue
+        pack.append(buf)
+        packed += len(buf)
+        if packed >= PACK_BYTES:
+            yield memoryview(b"".join(pack))
+            pack, packed = [], 0
+    if pack:
+        yield memoryview(b"".join(pack))
+
+
+@dataclass(frozen=True)
+class ListedPiece:
+    """A piece as a listing of ``pieces/`` showed it."""
+
+    key: str
+    holder: str
+    digest: str
+    size: int
+    mtime: float
+
+
+@dataclass
+class SweepPlan:
+    delete: list[ListedPiece] = field(default_factory=list)
+    #: marked pieces (kept by a commit or a live intent)
+    marked: int = 0
+    #: unmarked pieces younger than the grace period (a save in progress may be writing them)
+    young: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.size for p in self.delete)
+
+
+def plan_sweep(
+    listed: Iterable[ListedPiece], marks: Mapping[tuple[str, str], object] | set[tuple[str, str]], *,
+    now: float, grace_seconds: float,
+) -> SweepPlan:
+    """Which listed pieces may go: those whose (holder, digest) no mark names
+    and whose last write is at least ``grace_seconds`` before ``now``. A piece a
+    mark names is never in the plan, whatever its age."""
+    plan = SweepPlan()
+    for p in listed:
+        if (p.holder, p.digest) in marks:
+            plan.marked += 1
+        elif now - p.mtime < grace_seconds:
+            plan.young += 1
+        else:
+            plan.delete.append(p)
+    plan.delete.sort(key=lambda p: p.key)
+    return plan

@@ -1,0 +1,124 @@
+"""gc of shared pieces racing saves (PROTOCOL.md §9.3-9.5), on every backend:
+a save relying on another save's pieces survives that save's deletion and a
+gc in the middle of its upload; gc first and the save second; gc crashing at
+every operation; a killed writer's intent expires and its pieces go."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from ckptstore import CheckpointStore
+from ckptstore import protocol as P
+from ckptstore.backends.base import Backend
+from ckptstore.backends.faults import Crashed, FaultyBackend
+from tests.incremental.common import FROZEN, GRACE, RUN, TIMING, age_past_grace, head, open_store, save
+
+V3 = P.layout_of(3)
+
+
+def delete_commit(backend: Backend, step: int) -> None:
+    """An operator (or another gc) removes save ``step``'s commit record."""
+    backend.delete(V3.commit_key(RUN, step, 1))
+
+
+def assert_restores(backend: Backend, step: int, model: bytes) -> None:
+    """The newest save is ``step``, verifies deep and reads back bit for bit."""
+    reader = CheckpointStore.open(backend, RUN, piece_timing=TIMING)
+    ref = reader.latest_complete(deep=True)
+    assert ref is not None and ref.step == step
+    buf = bytearray(len(model))
+    reader.read_into(ref, "model", buf)
+    assert bytes(buf) == model
+
+
+def test_gc_while_a_save_reusing_pieces_uploads(backend: Backend) -> None:
+    writer = open_store(backend)
+    save(writer, 1)  # A
+    age_past_grace()  # A's pieces are old enough to sweep, were nothing to mark them
+    with writer.save(2) as w:  # B reuses A's pieces
+        w.put("model", [memoryview(FROZEN), memoryview(head(2))])
+        delete_commit(backend, 1)  # A goes ...
+        report = CheckpointStore.open(backend, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
+        assert report.pieces_refused is None and report.pieces_marked > 0  # ... but B's intent marks what B relies on
+        w.put("state.json", b'{"step": 2}')
+    assert_restores(backend, 2, FROZEN + head(2))
+    again = CheckpointStore.open(backend, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
+    assert again.pieces_refused is None and again.pieces_freed > 0  # what only A named goes, nothing B names
+    assert_restores(backend, 2, FROZEN + head(2))
+
+
+def test_gc_first_then_the_save(backend: Backend) -> None:
+    writer = open_store(backend)
+    save(writer, 1)
+    delete_commit(backend, 1)
+    age_past_grace()  # the writer's intent has expired by now, A's pieces are old
+    report = CheckpointStore.open(backend, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
+    assert report.pieces_freed > 0 and report.piece_bytes_freed >= len(FROZEN) and report.intents_expired
+    model = save(writer, 2)  # the writer still thinks it holds A's pieces: it must find out and write them again
+    assert_restores(backend, 2, model)
+
+
+def test_a_killed_writers_intent_expires(backend: Backend) -> None:
+    writer = open_store(backend)
+    save(writer, 1)
+    staged = writer.stage(2)
+    staged.put("model", [memoryview(FROZEN), memoryview(head(2))])  # then the process dies: no publish, no close
+    delete_commit(backend, 1)
+    gc = CheckpointStore.open(backend, RUN, piece_timing=TIMING)
+    first = gc.gc(keep_last=1, grace_seconds=GRACE)
+    assert first.pieces_freed == 0  # the intent is live
+    age_past_grace()
+    second = gc.gc(keep_last=1, grace_seconds=GRACE)
+    assert second.intents_expired and second.pieces_freed > 0 and second.piece_bytes_freed >= len(FROZEN)
+    assert backend.list_keys(P.layout.intents_prefix(RUN)) == []
+    assert backend.list_keys(P.layout.pieces_prefix(RUN)) == []
+
+
+def test_gc_crashing_at_every_operation(backend: Backend) -> None:
+    writer = open_store(backend)
+    for step in (1, 2, 3):
+        model = save(writer, step)
+    writer.close()  # its intent goes; the commits mark their pieces
+    age_past_grace()
+    n = 1
+    while True:
+        faulty = FaultyBackend(backend).crash_at(n)
+        try:
+            CheckpointStore.open(faulty, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
+        except Crashed:
+            assert_restores(backend, 3, model)  # whatever gc did up to the crash, the kept save is whole
+            n += 1
+            continue
+        break
+    assert n > 5
+    final = CheckpointStore.open(backend, RUN, piece_timing=TIMING)
+    final.gc(keep_last=1, grace_seconds=GRACE)
+    ref = final.latest_complete()
+    assert ref is not None
+    named = {V3.commit_key(RUN, 3, 1)} | {P.layout.piece_key(RUN, h, d) for h, d in ref.record.piece_refs()}
+    left = set(backend.list_keys(P.layout.pieces_prefix(RUN))) | set(backend.list_keys(P.commits_prefix(RUN)))
+    assert left == named  # everything else was collected, nothing named was
+    assert_restores(backend, 3, model)
+
+
+@pytest.mark.parametrize("where", ["after-first-put", "before-publish"])
+def test_gc_at_each_point_of_a_save(backend: Backend, where: str) -> None:
+    writer = open_store(backend)
+    save(writer, 1)
+    age_past_grace()
+    gc: Callable[[], object] = lambda: CheckpointStore.open(backend, RUN, piece_timing=TIMING).gc(  # noqa: E731
+        keep_last=1, grace_seconds=GRACE)
+    with writer.save(2) as w:
+        if where == "after-first-put":
+            w.put("model", [memoryview(FROZEN), memoryview(head(2))])
+            delete_commit(backend, 1)
+            gc()
+            w.put("state.json", b'{"step": 2}')
+        else:
+            w.put("state.json", b'{"step": 2}')
+            w.put("model", [memoryview(FROZEN), memoryview(head(2))])
+            delete_commit(backend, 1)
+            gc()
+    assert_restores(backend, 2, FROZEN + head(2))

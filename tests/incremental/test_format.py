@@ -12,7 +12,7 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.protocol.pieces import PACK_BYTES, PIECE_BYTES, cut_pieces
 from ckptstore.protocol.records import CommitRecord
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import RawAccess
 from tests.incremental.common import FROZEN, IDENT, RUN, head, open_store, save
 
 

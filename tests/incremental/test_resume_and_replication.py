@@ -8,7 +8,7 @@ from ckptstore import CheckpointStore
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.testing.raw import RawAccess
+from tests.helpers import RawAccess
 from tests.incremental.common import FROZEN, RUN, head, open_store, save
 
 

@@ -111,17 +111,21 @@ class LocalTier:
         return WriterContext(self.io, self.attempts, attempt, writer_id, self.identity_digest, self.auth)
 
     # ------------------------------------------------------------- selection
-    def select(self, deep: bool, view: AttemptView | None, durable: SaveRef | None) -> tuple[SaveRef | None, list[str]]:
+    def select(self, deep: bool, view: AttemptView | None, durable: SaveRef | None, *, own: bool = False
+               ) -> tuple[SaveRef | None, list[str]]:
         """The newest local save that may be used, with the reasons any newer
         local candidate was not: selection by the durable attempt records
         (``view``), then two checks that only a local copy needs — its writer
         is the writer that registered its attempt in the durable tier, and a
         commit of the same step and attempt in the durable tier has the same
         manifest digest. Either failing sets the whole local tier aside
-        (a planted or copied-in tier). Never raises for a bad local tier."""
+        (a planted or copied-in tier). Never raises for a bad local tier.
+        ``own``: judged by the local mirror of the attempts (the durable tier
+        is unavailable; never used for a resume point)."""
         reasons: list[str] = []
+        log = self.attempts if own else self.durable_attempts
         try:
-            sel = self.catalog.select(deep, view, explain=False)
+            sel = (self.own_catalog if own else self.catalog).select(deep, view, explain=False)
         except CkptStoreError as exc:
             return None, [f"local tier unreadable: {exc}"[:500]]
         reasons += [f"step {k.step} attempt {k.attempt}: {k.reason.value}: {k.detail}"[:300] for k in sel.skipped]
@@ -129,7 +133,7 @@ class LocalTier:
         if ref is None:
             return None, reasons
         try:
-            registered = (view or self.durable_attempts.load()).records.get(ref.attempt)
+            registered = (view or log.load()).records.get(ref.attempt)
         except CkptStoreError as exc:
             return None, [*reasons, f"durable attempts unreadable: {exc}"[:500]]
         if registered is None or registered.writer_id != ref.record.writer_id:

@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from ..errors import CkptStoreError, CorruptionError, NotFoundError, ResumeRefusedError, StoreUnavailableError
+from ..errors import (
+    CkptStoreError,
+    CorruptionError,
+    NotFoundError,
+    ResumeRefusedError,
+    StoreUnavailableError,
+    TransientError,
+)
 from ..protocol import AttemptRecord, ComponentEntry, run_record_key
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
@@ -161,7 +168,13 @@ class TierSet:
     # ------------------------------------------------------------- selection
     def select(self, catalog: Catalog, deep: bool, explain: bool) -> Selection:
         """The newest save complete in either tier, tier-tagged."""
-        dsel = catalog.select(deep, explain=explain)
+        try:
+            dsel = catalog.select(deep, explain=explain)
+        except (StoreUnavailableError, TransientError) as exc:
+            # the durable tier is away: the local tier alone, judged by its mirror of the attempts
+            local, reasons = self.local.select(deep, None, None, own=True)
+            note = f"durable tier unavailable: {type(exc).__name__}: {exc}"[:500]
+            return self.local.explain(Selection(None, [], notes=(note,)), local, reasons)
         durable = dsel.latest
         local, reasons = self.local.select(deep, None, durable)
         chosen = durable

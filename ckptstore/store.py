@@ -549,6 +549,12 @@ class CheckpointStore:
         when ``timeout`` seconds passed first. True at once for a one-tier store."""
         return True if self._tiers is None else self._tiers.flush(timeout)
 
+    def make_durable(self, timeout: float | None = None) -> bool:
+        """Queue the newest local save for replication even when ``replicate_every``
+        skipped it, and wait up to ``timeout`` seconds: True when it is durable
+        (what a preemption calls before the process exits)."""
+        return True if self._tiers is None else self._tiers.make_durable(timeout)
+
     def is_durable(self, ref: SaveRef) -> bool:
         """Whether ``ref`` is committed in the durable tier (always true for a one-tier store)."""
         if self._tiers is None or ref.tier in ("durable", "both"):

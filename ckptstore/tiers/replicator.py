@@ -186,6 +186,11 @@ class Replicator:
         with self._cond:
             return save_id in self._s.durable_ids
 
+    def is_queued(self, save_id: str) -> bool:
+        with self._cond:
+            busy = self._s.busy
+            return (busy is not None and busy.save_id == save_id) or any(r.save_id == save_id for r in self._s.queue)
+
     def status(self) -> ReplicationStatus:
         with self._cond:
             s = self._s

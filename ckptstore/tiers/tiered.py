@@ -69,6 +69,7 @@ class TierSet:
         self.local.io.layout_or_none = durable_io.layout  # the durable run record decides the naming
         self.reader = Reader(self.local.catalog)
         self.replicator: Replicator | None = None
+        self.last_local: SaveRef | None = None
         self.attempt: AttemptRecord | None = None
         self.writer_id = ""
         #: the last resume decision (what the ``resume-tier`` event recorded)
@@ -159,8 +160,19 @@ class TierSet:
         ref = publish(self.local.writer(self.attempt, self.writer_id), step, save_id, components, metadata=metadata,
                       ranks=ranks, world_size=world_size, expect=expect)
         ref = replace(ref, tier="local")
+        self.last_local = ref
         self.replicator.submit(ref)
         return ref
+
+    def make_durable(self, timeout: float | None) -> bool:
+        """Force the newest local save into the queue (if not there or durable) and wait for it."""
+        ref, rep = self.last_local, self.replicator
+        if rep is None or ref is None:
+            return True
+        if not rep.is_durable(ref.save_id) and not rep.is_queued(ref.save_id):
+            rep.submit(ref, force=True)
+        rep.flush(timeout)
+        return rep.is_durable(ref.save_id)
 
     def _retain(self, pending: int) -> None:
         self.local.gc(keep_last=self.keep + pending)

@@ -132,6 +132,7 @@ class Checkpointer:
         on_config_change: ConfigChoice = "keep-saved",
         streams: CopyStreams | None = None,
         max_inflight: int = 1,
+        preempt_flush_seconds: float = 60.0,
     ) -> None:
         if store.mode != "w":
             raise InvalidInputError("Checkpointer needs a store opened for writing (with an identity)")
@@ -153,6 +154,10 @@ class Checkpointer:
         self.keep_every = keep_every
         self.retention_deep = retention_deep
         self.preempt_exit_code = preempt_exit_code
+        #: on a tiered store, how long a preemption waits for its save to reach the durable tier
+        self.preempt_flush_seconds = preempt_flush_seconds
+        #: after a preemption on a tiered store: whether the last save reached the durable tier
+        self.preempt_durable: bool | None = None
         self.on_config_change: ConfigChoice = on_config_change
         self.streams = streams
         #: hyperparameters that differed at resume (see on_config_change)
@@ -402,6 +407,7 @@ class Checkpointer:
             self.wait()
             if self._last_scheduled_step != step:
                 self.save(step, blocking=True, **save_kw)
+            self._flush_on_preempt(step)
             if self.record_events:
                 self.store.record_event("preempted", {"step": step})
             self.close()
@@ -411,6 +417,21 @@ class Checkpointer:
         if self.due(step):
             self.save(step, **save_kw)
         return False
+
+    def _flush_on_preempt(self, step: int) -> None:
+        """On a tiered store: wait up to ``preempt_flush_seconds`` for the last
+        save to become durable; record and warn the outcome."""
+        make_durable = getattr(self.store, "make_durable", None)
+        if make_durable is None or not getattr(self.store, "tiered", False):
+            return
+        t0 = time.perf_counter()
+        self.preempt_durable = bool(make_durable(self.preempt_flush_seconds))
+        info = {"step": step, "durable": self.preempt_durable, "seconds": round(time.perf_counter() - t0, 3)}
+        if self.record_events:
+            self.store.record_event("preempt-flush", info)
+        if not self.preempt_durable:
+            warnings.warn(f"preempted at step {step}: the last save is committed locally but did not reach the "
+                          f"durable tier within {self.preempt_flush_seconds} s", RuntimeWarning, stacklevel=3)
 
     def finish(self, step: int) -> SaveRef | None:
         """End of training: make sure ``step`` (the last one) is saved, wait, close."""

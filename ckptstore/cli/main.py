@@ -56,7 +56,7 @@ def _open(args: argparse.Namespace, *, default_policy: str = "off") -> Checkpoin
     keyring = load_keyring(key_file=key_file) if policy != "off" else None
     return CheckpointStore.open(
         args.url, args.run, mode="r", storage_options=_parse_options(getattr(args, "storage_option", None)),
-        auth_policy=policy, keyring=keyring,
+        auth_policy=policy, keyring=keyring, local_tier=getattr(args, "local_tier", None),
     )
 
 
@@ -86,7 +86,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ]
         for i in infos
     ]
-    text = _table(rows, ["", "step", "attempt", "state", "size", "parts", "save_id", "detail"]) if rows else "no saves"
+    header = ["", "step", "attempt", "state", "size", "parts", "save_id", "detail"]
+    if store.tiered:  # which tier holds each save: local (not yet durable), durable, both
+        header.insert(4, "tier")
+        for r, i in zip(rows, infos, strict=True):
+            r.insert(4, i.ref.tier if i.ref is not None else "-")
+    text = _table(rows, header) if rows else "no saves"
     young, stale = store.leftovers(grace_seconds=args.grace)
     if young or stale:
         text += (
@@ -114,7 +119,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
     if sel.latest:
         lines.append(
             f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {esc(sel.latest.save_id)}, "
-            f"{_human_bytes(sel.latest.total_bytes)})"
+            f"{_human_bytes(sel.latest.total_bytes)})" + (f", tier {sel.latest.tier}" if store.tiered else "")
         )
     else:
         lines.append("no complete save")
@@ -163,7 +168,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     store = _open(args)
-    rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply, deep=not args.shallow)
+    if getattr(args, "tier", "durable") == "local":  # each tier on its own, never across
+        rep = store.gc_local(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply,
+                             deep=not args.shallow)
+    else:
+        rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply,
+                       deep=not args.shallow)
     obj = {
         "dry_run": rep.dry_run,
         "refused": rep.refused,
@@ -299,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
             help="authenticated records: off (default), warn, require (keys: --auth-key-file or CKPTSTORE_AUTH_KEYS)",
         )
         sp.add_argument("--auth-key-file", default=None, help='key file {"active": ID, "keys": {ID: HEX}}, mode 600')
+        sp.add_argument("--local-tier", default=None, metavar="DIR",
+                        help="the run's local tier on this machine: show both tiers (docs/tiers.md)")
 
     sp = sub.add_parser("ls", help="list every save of a run with its state")
     common(sp)
@@ -324,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, help="never delete an uncommitted save younger than this")
     sp.add_argument("--apply", action="store_true", help="really delete")
     sp.add_argument("--shallow", action="store_true", help="check sizes only (default: re-hash before deleting)")
+    sp.add_argument("--tier", choices=["durable", "local"], default="durable",
+                    help="which tier to collect (with --local-tier); gc never crosses tiers")
     sp.set_defaults(fn=cmd_gc)
 
     sp = sub.add_parser("inspect", help="a run's identity, attempts and a save's manifest")

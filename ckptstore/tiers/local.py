@@ -19,16 +19,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..backends.local import LocalBackend
-from ..errors import CkptStoreError, CorruptionError, NotFoundError, StoreUnavailableError
-from ..protocol import AttemptRecord, attempt_key, run_record_key
-from ..protocol.selection import SaveRef, Selection
-from ..retry import RetryPolicy
 from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog
 from ..core.collector import GcReport, collect
 from ..core.fencing import AttemptLog, AttemptView
 from ..core.record_auth import RecordAuth
 from ..core.writer import WriterContext
+from ..errors import CkptStoreError, CorruptionError, NotFoundError, StoreUnavailableError
+from ..protocol import AttemptRecord, attempt_key, run_record_key
+from ..protocol.selection import SaveRef, Selection
+from ..retry import RetryPolicy
 
 #: Bytes read at most from a run record (PROTOCOL.md §2 cap).
 MAX_RUN_RECORD = 1 << 20

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.bounded_io import RunIO
+from ..core.fencing import AttemptLog
 from ..errors import (
     CkptStoreError,
     CommitConflictError,
@@ -31,8 +33,6 @@ from ..errors import (
 from ..protocol import component_key, save_prefix
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
-from ..core.bounded_io import RunIO
-from ..core.fencing import AttemptLog
 from ..util.redact import redact_text
 
 

@@ -19,6 +19,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from ..core.bounded_io import RunIO
+from ..core.catalog import Catalog
+from ..core.collector import GcReport
+from ..core.fencing import AttemptLog, AttemptView
+from ..core.ledger import Ledger
+from ..core.reader import Reader
+from ..core.record_auth import RecordAuth
+from ..core.resume_point import resume_point
+from ..core.writer import StagedSave, publish
 from ..errors import (
     CkptStoreError,
     CorruptionError,
@@ -30,15 +39,6 @@ from ..errors import (
 from ..protocol import AttemptRecord, ComponentEntry, run_record_key
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
-from ..core.bounded_io import RunIO
-from ..core.catalog import Catalog
-from ..core.collector import GcReport
-from ..core.fencing import AttemptLog, AttemptView
-from ..core.ledger import Ledger
-from ..core.reader import Reader
-from ..core.record_auth import RecordAuth
-from ..core.resume_point import resume_point
-from ..core.writer import StagedSave, publish
 from .local import MAX_RUN_RECORD, LocalTier
 from .replicator import ReplicationStatus, Replicator
 

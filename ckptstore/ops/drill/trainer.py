@@ -209,6 +209,7 @@ def train(
     budget: Budget | None = None,
     progress_every: int = 1,
     slow_mid_component: float = 0.0,
+    local_tier: str | None = None,
 ) -> dict[str, Any]:
     setup_determinism(cfg.seed)
     snap = make_snapshot(cfg.n_samples, seed=cfg.data_seed, contract=contract_override or cfg.contract)
@@ -243,7 +244,8 @@ def train(
         if slow_mid_component:
             fb.slow_stream(slow_mid_component, when=lambda op, key: op == "put" and key.endswith("optimizer.safetensors"))
         backend = fb
-    store = CheckpointStore.open(backend, run_id, identity=ident, storage_options=storage_options)
+    store = CheckpointStore.open(backend, run_id, identity=ident, storage_options=storage_options,
+                                 local_tier=local_tier)
     model, opt, sched = objs["model"], objs["optimizer"], objs["scheduler"]
     replay = ReplayLog()
     ckpt = Checkpointer(
@@ -342,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-gpu-hours", type=float, default=RESTART_GPU_HOURS)
     ap.add_argument("--progress-every", type=int, default=1)
     ap.add_argument("--slow-mid-component", type=float, default=0.0, help="test hook: stall inside a component write")
+    ap.add_argument("--local-tier", default=None, help="a local directory as the fast tier (docs/tiers.md)")
     ap.add_argument("--storage-options-fd", type=int, default=None,
                     help="read the storage options (JSON) from this inherited descriptor; "
                          "they never go on the command line, where ps shows them")
@@ -367,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             progress_every=a.progress_every,
             slow_mid_component=a.slow_mid_component,
             storage_options=storage_options,
+            local_tier=a.local_tier,
         )
     except BudgetStop:
         return 4

@@ -11,6 +11,8 @@
    before the commit; every restart is a fresh process that must resume from
    the newest complete save, with the same optimizer state bytes as the clean
    run at that step.
+4b. Two tiers (:mod:`.tiered`): a local directory in front of the store; the
+   local disk wiped mid-run, a local copy corrupted; the interval per tier.
 5. The same store path under a changed feature contract: refused.
 6. A budget breach after repeated interruptions: the job stops with an
    incomplete, unpromotable artifact.

@@ -29,7 +29,7 @@ from .core.resume_point import resume_point
 from .core.signing import SignReport, sign_run
 from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
 from .defaults import DEFAULT_GRACE_SECONDS
-from .errors import CkptStoreError, InvalidInputError
+from .errors import CkptStoreError, InvalidInputError, StoreUnavailableError
 from .identity import RunIdentity, identity_digest, normalize_identity
 from .protocol import (
     AttemptRecord,
@@ -520,8 +520,18 @@ class CheckpointStore:
         """Append an event to the run's ledger (created exclusively, never overwritten).
 
         The one write a read-only store may make, when asked: an operator (or a
-        job refused before it registered an attempt) records what happened."""
-        return self._ledger.append(kind, payload, self.attempt.number if self.attempt else None)
+        job refused before it registered an attempt) records what happened.
+        On a tiered store an entry the durable tier cannot take now is queued
+        and sent by the replication thread (the returned key is then ``""``):
+        a durable outage never stops training."""
+        try:
+            return self._ledger.append(kind, payload, self.attempt.number if self.attempt else None)
+        except StoreUnavailableError:
+            rep = self._tiers.replicator if self._tiers is not None else None
+            if rep is None:
+                raise
+            rep.queue_event(kind, payload)  # tiered: the durable tier is away; sent when it is back
+            return ""
 
     def events(self) -> list[dict[str, Any]]:
         """The run's ledger, oldest first (unreadable entries are skipped)."""

@@ -112,6 +112,10 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
     return created
 
 
+#: ledger entries waiting for the durable tier, at most
+MAX_OUTBOX = 1000
+
+
 @dataclass
 class _State:
     queue: deque[SaveRef] = field(default_factory=deque)
@@ -141,16 +145,35 @@ class Replicator:
         self.every, self.max_lag, self.retry = every, max_lag, retry
         self._record, self._after, self._on_component = record, after, on_component
         self._s = _State()
+        self._outbox: deque[tuple[str, dict[str, Any]]] = deque()
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="ckptstore-replicate", daemon=True)
         self._thread.start()
 
     def _event(self, kind: str, payload: Mapping[str, Any]) -> None:
-        try:
-            self._record(kind, payload)
-        except Exception:  # noqa: BLE001 - the ledger is best effort while the durable tier is away
-            pass
+        """Queue a ledger entry; the replication thread sends it (the ledger is
+        in the durable tier, which may be away: entries wait, at most
+        :data:`MAX_OUTBOX`, the oldest dropped first)."""
+        with self._cond:
+            self._outbox.append((kind, dict(payload)))
+            while len(self._outbox) > MAX_OUTBOX:
+                self._outbox.popleft()
+            self._cond.notify_all()
+
+    def _send_outbox(self) -> None:
+        while True:
+            with self._cond:
+                if not self._outbox:
+                    return
+                kind, payload = self._outbox[0]
+            try:
+                self._record(kind, payload)
+            except Exception:  # noqa: BLE001 - the durable tier is away: try again later
+                return
+            with self._cond:
+                if self._outbox and self._outbox[0][0] == kind:
+                    self._outbox.popleft()
 
     # ---------------------------------------------------------------- input
     def submit(self, ref: SaveRef, *, force: bool = False) -> None:
@@ -214,15 +237,26 @@ class Replicator:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        self._send_outbox()  # last try; what the durable tier cannot take now is lost with the process
+
+    def queue_event(self, kind: str, payload: Mapping[str, Any]) -> None:
+        """A ledger entry the durable tier could not take now: sent later by the replication thread."""
+        self._event(kind, payload)
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
         while True:
+            self._send_outbox()
             with self._cond:
                 while not self._s.queue and not self._stop:
+                    if self._outbox:  # entries wait for the durable tier: look again in a while
+                        self._cond.wait(1.0)
+                        break
                     self._cond.wait()
                 if self._stop:
                     return
+                if not self._s.queue:
+                    continue
                 ref = self._s.busy = self._s.queue.popleft()
             self._one(ref)
             with self._cond:

@@ -18,7 +18,7 @@ from ckptstore.backends.faults import FaultyBackend, transient
 from ckptstore.protocol import component_key
 
 IDENT = {"model": "tiny", "seed": 1}
-backend_kinds = ("local", "seaweedfs")
+backend_kinds = ("local", "seaweedfs", "moto", "fakegcs")
 
 
 def payload(step: int) -> bytes:
@@ -138,6 +138,17 @@ def down_when(flag: threading.Event) -> Callable[[str, str], bool]:
     return lambda op, key: flag.is_set() and op in ("put", "create", "list", "size", "get")
 
 
+def wait_for_failure(s: CheckpointStore, seconds: float = 20.0) -> None:
+    """Until the replicator met the outage at least once (a loaded machine may take a while)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        st = s.replication_status()
+        if st is not None and st.failures >= 1:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the replicator never met the outage")
+
+
 def test_durable_outage_never_stops_saving_and_replication_catches_up(
         backend_factory: Callable[[], Backend], tmp_path: Path) -> None:
     down = threading.Event()
@@ -148,7 +159,7 @@ def test_durable_outage_never_stops_saving_and_replication_catches_up(
     down.set()
     for step in range(1, 4):
         save(s, step)  # never raises: the local commit does not wait for the durable tier
-    time.sleep(0.3)
+    wait_for_failure(s)
     st = s.replication_status()
     assert st is not None and st.lag >= 1 and st.failures >= 1 and st.last_durable_step == 0
     assert not s.flush(0.2)
@@ -170,7 +181,7 @@ def test_behind_by_more_than_the_bound_skips_intermediate_saves(
     down.set()
     for step in range(1, 6):
         save(s, step)
-    time.sleep(0.2)
+    wait_for_failure(s)
     down.clear()
     assert s.flush(60)
     st = s.replication_status()
@@ -243,7 +254,7 @@ def test_another_runs_local_tier_is_set_aside(backend_factory: Callable[[], Back
 
 
 def test_gc_of_one_tier_never_touches_the_other(backend_factory: Callable[[], Backend], tmp_path: Path) -> None:
-    s = open_tiered(backend_factory(), tmp_path / "nvme", local_keep=10)
+    s = open_tiered(backend_factory(), tmp_path / "nvme", local_keep=10, max_replication_lag=10)
     for step in range(4):
         save(s, step)
     assert s.flush(30)

@@ -174,6 +174,7 @@ class Replicator:
             with self._cond:
                 if self._outbox and self._outbox[0][0] == kind:
                     self._outbox.popleft()
+                self._cond.notify_all()
 
     # ---------------------------------------------------------------- input
     def submit(self, ref: SaveRef, *, force: bool = False) -> None:
@@ -230,6 +231,10 @@ class Replicator:
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(left if left is not None else 1.0)
+            # the ledger entries of what was just replicated, within what is left of the timeout (max 5 s)
+            until = time.monotonic() + 5.0 if end is None else min(end, time.monotonic() + 5.0)
+            while self._outbox and time.monotonic() < until:
+                self._cond.wait(0.02)
             return True
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ from .core.resume_point import resume_point
 from .core.signing import SignReport, sign_run
 from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
 from .defaults import DEFAULT_GRACE_SECONDS
-from .errors import CkptStoreError, InvalidInputError, StoreUnavailableError
+from .errors import CkptStoreError, InvalidInputError, NotFoundError, StoreUnavailableError
 from .identity import RunIdentity, identity_digest, normalize_identity
 from .protocol import (
     AttemptRecord,
@@ -355,8 +355,14 @@ class CheckpointStore:
         return sel if explain else sel.latest
 
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
-        """The commit of ``step`` (the highest attempt, unless given); not verified."""
-        return self._catalog.get_save(step, attempt)
+        """The commit of ``step`` (the highest attempt, unless given); not verified.
+        Tiered: the durable commit, else the local one (``tier="local"``)."""
+        if self._tiers is None:
+            return self._catalog.get_save(step, attempt)
+        try:
+            return self._catalog.get_save(step, attempt)
+        except NotFoundError:
+            return self._tiers.get_save(step, attempt)
 
     def list_saves(self, *, deep: bool = False, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> list[SaveInfo]:
         """Every save of the run (committed or not), newest first, with its state."""

@@ -216,6 +216,10 @@ class TierSet:
         out.sort(key=lambda i: (i.step, i.attempt), reverse=True)
         return out
 
+    def get_save(self, step: int, attempt: int | None) -> SaveRef:
+        """The local commit of ``step`` (not verified), tagged ``local``."""
+        return replace(self.local.catalog.get_save(step, attempt), tier="local")
+
     # --------------------------------------------------------------- reading
     def read(self, ref: SaveRef, durable: Callable[[], T], local: Callable[[], T]) -> T:
         """Run ``local`` for a save the local tier holds; for one held by both

@@ -207,6 +207,7 @@ def test_a_local_only_save_is_the_resume_point_and_is_then_replicated(
     latest = s.latest_complete()
     assert latest is not None and (latest.step, latest.tier) == (1, "local")
     assert not s.is_durable(latest)
+    assert s.get_save(1).tier == "local" and s.get_save(0).tier == "durable"
     s.close()
     s2 = open_tiered(backend_factory(), tmp_path / "nvme")
     assert s2.resumed_from is not None and (s2.resumed_from.step, s2.resumed_from.tier) == (1, "local")

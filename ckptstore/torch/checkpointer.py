@@ -418,9 +418,10 @@ class Checkpointer:
             self.save(step, **save_kw)
         return False
 
-    def _flush_on_preempt(self, step: int) -> None:
+    def _flush_on_preempt(self, step: int, event: str = "preempt-flush") -> None:
         """On a tiered store: wait up to ``preempt_flush_seconds`` for the last
-        save to become durable; record and warn the outcome."""
+        save to become durable (on preemption and at :meth:`finish`); record
+        and warn the outcome."""
         make_durable = getattr(self.store, "make_durable", None)
         if make_durable is None or not getattr(self.store, "tiered", False):
             return
@@ -428,16 +429,20 @@ class Checkpointer:
         self.preempt_durable = bool(make_durable(self.preempt_flush_seconds))
         info = {"step": step, "durable": self.preempt_durable, "seconds": round(time.perf_counter() - t0, 3)}
         if self.record_events:
-            self.store.record_event("preempt-flush", info)
+            self.store.record_event(event, info)
         if not self.preempt_durable:
-            warnings.warn(f"preempted at step {step}: the last save is committed locally but did not reach the "
+            when = "preempted" if event == "preempt-flush" else "finished"
+            warnings.warn(f"{when} at step {step}: the last save is committed locally but did not reach the "
                           f"durable tier within {self.preempt_flush_seconds} s", RuntimeWarning, stacklevel=3)
 
     def finish(self, step: int) -> SaveRef | None:
-        """End of training: make sure ``step`` (the last one) is saved, wait, close."""
+        """End of training: make sure ``step`` (the last one) is saved, wait, close. On a tiered
+        store, first wait up to ``preempt_flush_seconds`` for it to become durable (``finish-flush``)."""
         ref = None
         if self._last_scheduled_step != step:
             ref = self.save(step, blocking=True)
+        self.wait()
+        self._flush_on_preempt(step, event="finish-flush")  # tiered: the final save reaches the durable tier
         self.close()
         return ref
 

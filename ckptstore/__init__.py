@@ -32,7 +32,7 @@ from .protocol.auth import AuthPolicy, Keyring
 from .protocol.records import ComponentEntry
 from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection, Skip, SkipReason
 from .retry import RetryPolicy
-from .store import DEFAULT_GRACE_SECONDS, CheckpointStore, GcReport, OpenOptions, SaveWriter
+from .store import DEFAULT_GRACE_SECONDS, CheckpointStore, GcReport, OpenOptions, ReplicationStatus, SaveWriter
 
 __version__ = "0.1.0"
 
@@ -62,6 +62,7 @@ __all__ = [
     "SaveAbortedError",
     "SaveNotPublishedError",
     "SaveInfo",
+    "ReplicationStatus",
     "SaveRef",
     "SaveState",
     "SaveWriter",

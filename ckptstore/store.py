@@ -30,7 +30,7 @@ from .core.resume_point import resume_point
 from .core.signing import SignReport, sign_run
 from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
 from .defaults import DEFAULT_GRACE_SECONDS
-from .errors import InvalidInputError
+from .errors import CkptStoreError, InvalidInputError, NotFoundError, StoreUnavailableError
 from .identity import RunIdentity, identity_digest, normalize_identity
 from .protocol import (
     AttemptRecord,
@@ -46,10 +46,12 @@ from .protocol.auth import AuthPolicy, Keyring
 from .protocol.records import PieceRef
 from .protocol.selection import SaveInfo, SaveRef, Selection
 from .retry import RetryPolicy
+from .tiers.replicator import ReplicationStatus
+from .tiers.tiered import TierSet
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS", "CheckpointStore", "GcReport", "OpenOptions", "SaveInfo", "SaveRef", "SaveWriter", "Selection",
-    "StagedSave", "VerifyReport",
+    "ReplicationStatus", "StagedSave", "VerifyReport",
 ]
 
 ResumeFrom = int | None | Literal["latest"]
@@ -75,6 +77,16 @@ class OpenOptions:
     #: version-3 runs (pieces, PROTOCOL.md §9): the window and intent lifetime
     #: every writer and gc of the run must agree on
     piece_timing: PieceTiming = PieceTiming()
+    #: a directory on this machine for the fast tier (``docs/tiers.md``); None: one tier
+    local_tier: str | os.PathLike[str] | None = None
+    #: saves kept in the local tier (besides those waiting for replication)
+    local_keep: int = 2
+    #: replicate every K-th local save (the resume point and preemption saves always)
+    replicate_every: int = 1
+    #: saves waiting for replication at most; beyond it the oldest are skipped (newest wins)
+    max_replication_lag: int = 2
+    #: seconds ``close()`` waits for replication before it returns
+    close_flush_seconds: float = 30.0
 
 
 class CheckpointStore:
@@ -114,6 +126,9 @@ class CheckpointStore:
         """Use :meth:`open` (this constructor takes the same choices as one
         :class:`OpenOptions`, for code that already holds a :class:`Backend`)."""
         o = options or OpenOptions()
+        if o.local_tier is not None and o.protocol_version == 3:
+            raise InvalidInputError("local_tier with protocol_version=3 (pieces) is not supported yet; "
+                                    "choose one of the two")
         identity, mode, resume_from, resume_verify = o.identity, o.mode, o.resume_from, o.resume_verify
         join_attempt, single_writer, lineage, protocol_version = o.join_attempt, o.single_writer, o.lineage, o.protocol_version
         retry, auth_policy, keyring = o.retry, o.auth_policy, o.keyring
@@ -141,15 +156,27 @@ class CheckpointStore:
         self.identity_digest = identity_digest(self.identity)
         self._catalog = Catalog(self._io, self._attempts, self.identity_digest)
         self._reader = Reader(self._catalog)
+        self._tiers: TierSet | None = None
+        self._close_flush = o.close_flush_seconds
+        if o.local_tier is not None:
+            self._tiers = self._open_tiers(o)
         if self.mode == "w":
             if join_attempt is not None:
                 self.attempt = self._attempts.join(join_attempt)
             else:
                 memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
+                tiers = self._tiers
+                if tiers is not None:
+                    tiers.prepare(self._attempts.load())
                 self.attempt, self.resumed_from = self._attempts.register(
                     self.writer_id, resume_from,
-                    lambda v: resume_point(self._catalog, v, self._resume_deep, memo, self._ledger, self.writer_id),
+                    (lambda v: resume_point(self._catalog, v, self._resume_deep, memo, self._ledger, self.writer_id))
+                    if tiers is None else
+                    (lambda v: tiers.resume_point(self._catalog, v, self._resume_deep, memo, self.writer_id)),
                 )
+                if tiers is not None:
+                    tiers.start(self.attempt, self.writer_id, self.resumed_from, self._durable_step())
+
         self._pieces: PieceWriter | None = None
         self._piece_timing = o.piece_timing
         if self.mode == "w" and self._io.layout.pieces:
@@ -157,6 +184,28 @@ class CheckpointStore:
             self._pieces = PieceWriter(self._io, self.attempt.number, o.piece_timing)
             # the newest commit's pieces, known in memory: the first save skips them
             self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None)
+
+    def _open_tiers(self, o: OpenOptions) -> TierSet:
+        if self._io.layout.pieces:
+            # replication copies a save's components; a version-3 save is pieces shared with older saves,
+            # which the replicator does not carry yet (core.pieces.pieces_lacking is the hook it will use)
+            raise InvalidInputError("local_tier with a protocol version 3 run (pieces) is not supported yet; "
+                                    "open it without local_tier, or keep the tiered run at version 2")
+        if o.join_attempt is not None:
+            raise InvalidInputError("local_tier with join_attempt (many ranks) is not supported yet; "
+                                    "open the ranks without local_tier")
+        if o.local_keep < 1 or o.replicate_every < 1 or o.max_replication_lag < 1:
+            raise InvalidInputError("local_keep, replicate_every and max_replication_lag must be at least 1")
+        assert o.local_tier is not None
+        return TierSet(o.local_tier, self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
+                       o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag)
+
+    def _durable_step(self) -> int | None:
+        try:
+            ref = self._catalog.select(False, explain=False).latest
+        except Exception:  # noqa: BLE001 - for the record only
+            return None
+        return ref.step if ref is not None else None
 
     # ------------------------------------------------------------------ open
     @classmethod
@@ -178,6 +227,11 @@ class CheckpointStore:
         keyring: Keyring | None = None,
         protocol_version: int | None = None,
         piece_timing: PieceTiming | None = None,
+        local_tier: str | os.PathLike[str] | None = None,
+        local_keep: int = 2,
+        replicate_every: int = 1,
+        max_replication_lag: int = 2,
+        close_flush_seconds: float = 30.0,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -219,6 +273,14 @@ class CheckpointStore:
         PROTOCOL.md §9). An existing run keeps its own: another is refused.
         ``piece_timing``: version 3 only, the window and intent lifetime every
         writer and gc of the run must share (:class:`~ckptstore.core.pieces.PieceTiming`).
+
+        Two tiers (``local_tier="/nvme/ckpt"``, ``docs/tiers.md``): ``url`` is the durable tier,
+        the one source of truth for identity, attempts and fencing; each save is committed in the
+        local directory first (same save ID, same manifest digest) and made durable by a background
+        thread (every ``replicate_every``-th save; at most ``max_replication_lag`` waiting, the newest
+        wins). The local tier keeps ``local_keep`` saves. Selection and the resume point take the newest
+        save complete in either tier; a local copy is used only when its attempt counts in the durable
+        records and it verifies, else the durable copy, else an older save (``resume-tier`` event).
         """
         from .backends.schemes import backend_from_url
 
@@ -227,6 +289,8 @@ class CheckpointStore:
             identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
             resume_verify=resume_verify, join_attempt=join_attempt, single_writer=single_writer,
             auth_policy=auth_policy, keyring=keyring, protocol_version=protocol_version,
+            local_tier=local_tier, local_keep=local_keep, replicate_every=replicate_every,
+            max_replication_lag=max_replication_lag, close_flush_seconds=close_flush_seconds,
             piece_timing=piece_timing or PieceTiming(),
         ))
 
@@ -261,6 +325,8 @@ class CheckpointStore:
         ctx = self._writer()
         validate_step(step)
         sid = check_save_id(ctx, step, save_id) if save_id is not None else new_save_id(step, ctx.attempt.number)
+        if self._tiers is not None:
+            return self._tiers.stage(step, sid)
         return StagedSave(ctx, step, sid)
 
     def publish(
@@ -281,6 +347,10 @@ class CheckpointStore:
         when the save is not acknowledged."""
         validate_step(step)
         md = check_metadata(metadata)
+        if self._tiers is not None:
+            self._writer()
+            return self._tiers.publish(step, save_id, components, metadata=md, ranks=ranks, world_size=world_size,
+                                       expect=expect)
         return publish(
             self._writer(), step, save_id, components, metadata=md, ranks=ranks, world_size=world_size,
             expect=expect,
@@ -327,28 +397,38 @@ class CheckpointStore:
         the answer is a :class:`Selection` that also lists every newer candidate
         that was skipped and why.
         """
-        sel = self._catalog.select(deep, explain=explain)
+        sel = self._catalog.select(deep, explain=explain) if self._tiers is None else \
+            self._tiers.select(self._catalog, deep, explain)
         return sel if explain else sel.latest
 
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
-        """The commit of ``step`` (the highest attempt, unless given); not verified."""
-        return self._catalog.get_save(step, attempt)
+        """The commit of ``step`` (the highest attempt, unless given); not verified.
+        Tiered: the durable commit, else the local one (``tier="local"``)."""
+        if self._tiers is None:
+            return self._catalog.get_save(step, attempt)
+        try:
+            return self._catalog.get_save(step, attempt)
+        except NotFoundError:
+            return self._tiers.get_save(step, attempt)
 
     def list_saves(self, *, deep: bool = False, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> list[SaveInfo]:
         """Every save of the run (committed or not), newest first, with its state."""
-        return self._catalog.list_saves(self._catalog.scan(), deep, grace_seconds)
+        durable = self._catalog.list_saves(self._catalog.scan(), deep, grace_seconds)
+        return durable if self._tiers is None else self._tiers.list_saves(durable, deep, grace_seconds)
 
     # --------------------------------------------------------------- reading
     def read(self, ref: SaveRef, name: str) -> bytes:
         """The component's bytes, verified against the commit record's size and
         BLAKE3 digest. A mismatch raises :class:`CorruptionError`; bad bytes are
         never returned."""
+        if self._tiers is not None:
+            return self._tiers.read(ref, lambda: self._reader.read(ref, name), lambda: self._tiers_reader.read(ref, name))
         return self._reader.read(ref, name)
 
     def component(self, ref: SaveRef, name: str) -> ComponentEntry:
         """The commit's entry for one component (name, size, BLAKE3);
         :class:`NotFoundError` naming the components the save has if absent."""
-        return self._reader.component(ref, name)
+        return self._reader.component(ref, name)  # from the ref's own record: the same in every tier
 
     def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
         """Read a component straight into caller-owned memory, verified.
@@ -360,6 +440,10 @@ class CheckpointStore:
         pass, no intermediate copies). On return every byte matches the
         commit's BLAKE3; on :class:`CorruptionError` the buffer's content is
         undefined and must not be used."""
+        if self._tiers is not None:
+            local = self._tiers_reader
+            self._tiers.read(ref, lambda: self._reader.read_into(ref, name, out), lambda: local.read_into(ref, name, out))
+            return
         self._reader.read_into(ref, name, out)
 
     def iter_read(self, ref: SaveRef, name: str, chunk: int = CHUNK) -> Iterator[bytes]:
@@ -372,20 +456,32 @@ class CheckpointStore:
         raised instead of the last chunk. Do not act on the data before the
         iterator is exhausted.
         """
+        if self._tiers is not None and ref.tier != "durable":
+            return self._tiers_reader.iter_read(ref, name, chunk)  # streamed: no fallback once bytes flowed
         return self._reader.iter_read(ref, name, chunk)
 
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a component, not verified (see :meth:`read_verified_range`)."""
+        if self._tiers is not None:
+            local = self._tiers_reader
+            return self._tiers.read(ref, lambda: self._reader.read_range(ref, name, start, end),
+                                    lambda: local.read_range(ref, name, start, end))
         return self._reader.read_range(ref, name, start, end)
 
     def read_verified_range(self, ref: SaveRef, name: str, start: int, end: int, blake3_hex: str) -> bytes:
         """Bytes ``[start, end)`` of a component, checked against the BLAKE3
         digest of exactly that range (a per-item digest the caller keeps in a
         component that the commit record itself verifies)."""
+        if self._tiers is not None:
+            local = self._tiers_reader
+            return self._tiers.read(ref, lambda: self._reader.read_verified_range(ref, name, start, end, blake3_hex),
+                                    lambda: local.read_verified_range(ref, name, start, end, blake3_hex))
         return self._reader.read_verified_range(ref, name, start, end, blake3_hex)
 
     def verify(self, ref: SaveRef, *, deep: bool = True) -> VerifyReport:
         """Check one save against its record (sizes; with ``deep`` every digest)."""
+        if self._tiers is not None and ref.tier == "local":
+            return self._tiers_reader.verify(ref, deep=deep)
         return self._reader.verify(ref, deep=deep)
 
     # ------------------------------------------------------------------- gc
@@ -444,6 +540,8 @@ class CheckpointStore:
         old, was = self._writer().attempt.number, self.resumed_from
         self.attempt, _ = self._attempts.register(self.writer_id, to.step if to is not None else None, lambda v: None)
         self.resumed_from = to
+        if self._tiers is not None:
+            self._tiers.adopt(self.attempt)
         self.record_event("resume-fallback", {
             "from_attempt": old, "from_step": was.step if was else None, "from_save_id": was.save_id if was else None,
             "to_step": to.step if to else None, "to_save_id": to.save_id if to else None,
@@ -483,14 +581,78 @@ class CheckpointStore:
         """Append an event to the run's ledger (created exclusively, never overwritten).
 
         The one write a read-only store may make, when asked: an operator (or a
-        job refused before it registered an attempt) records what happened."""
-        return self._ledger.append(kind, payload, self.attempt.number if self.attempt else None)
+        job refused before it registered an attempt) records what happened.
+        On a tiered store an entry the durable tier cannot take now is queued
+        and sent by the replication thread (the returned key is then ``""``):
+        a durable outage never stops training."""
+        try:
+            return self._ledger.append(kind, payload, self.attempt.number if self.attempt else None)
+        except StoreUnavailableError:
+            rep = self._tiers.replicator if self._tiers is not None else None
+            if rep is None:
+                raise
+            rep.queue_event(kind, payload)  # tiered: the durable tier is away; sent when it is back
+            return ""
 
     def events(self) -> list[dict[str, Any]]:
         """The run's ledger, oldest first (unreadable entries are skipped)."""
         return [e.to_json() for e in self._ledger.read().events]
 
+    # ---------------------------------------------------------------- tiers
+    @property
+    def _tiers_reader(self) -> Reader:
+        assert self._tiers is not None
+        return self._tiers.reader
+
+    @property
+    def tiered(self) -> bool:
+        """Whether this store was opened with a ``local_tier``."""
+        return self._tiers is not None
+
+    def replication_status(self) -> ReplicationStatus | None:
+        """Where replication to the durable tier stands (lag, newest durable
+        step and its age, skipped saves, failures); None for a one-tier store
+        or a reader."""
+        return self._tiers.status() if self._tiers is not None else None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued local save is durable (or skipped); False
+        when ``timeout`` seconds passed first. True at once for a one-tier store."""
+        return True if self._tiers is None else self._tiers.flush(timeout)
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        """Queue the newest local save for replication even when ``replicate_every``
+        skipped it, and wait up to ``timeout`` seconds: True when it is durable
+        (what a preemption calls before the process exits)."""
+        return True if self._tiers is None else self._tiers.make_durable(timeout)
+
+    def is_durable(self, ref: SaveRef) -> bool:
+        """Whether ``ref`` is committed in the durable tier (always true for a one-tier store)."""
+        if self._tiers is None or ref.tier in ("durable", "both"):
+            return True
+        rep = self._tiers.replicator
+        if rep is not None and rep.is_durable(ref.save_id):
+            return True
+        try:
+            return self._catalog.get_save(ref.step, ref.attempt).manifest_digest == ref.manifest_digest
+        except CkptStoreError:
+            return False
+
+    def gc_local(self, *, keep_last: int = 2, dry_run: bool = False, deep: bool = False,
+                 grace_seconds: float = DEFAULT_GRACE_SECONDS) -> GcReport:
+        """gc of the local tier alone (the durable tier is neither read nor
+        touched; :meth:`gc` is the durable tier's and never touches the local one)."""
+        if self._tiers is None:
+            raise InvalidInputError("this store has no local tier (open it with local_tier=...)")
+        if keep_last < 1:
+            raise InvalidInputError("keep_last must be at least 1: the newest complete save is never deleted")
+        return self._tiers.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds)
+
     def close(self) -> None:
+        """Wait up to ``close_flush_seconds`` for replication (tiered), end this
+        writer's save intent (version 3), then release the backends."""
+        if self._tiers is not None:
+            self._tiers.close(self._close_flush)
         if self._pieces is not None:
             self._pieces.close()  # its commits mark their pieces now; a killed writer's intent expires instead
         self.backend.close()

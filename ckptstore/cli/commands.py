@@ -60,6 +60,8 @@ def _add_maintenance_commands(sub: Any) -> None:
     sp.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, help="never delete an uncommitted save younger than this")
     sp.add_argument("--apply", action="store_true", help="really delete")
     sp.add_argument("--shallow", action="store_true", help="check sizes only (default: re-hash before deleting)")
+    sp.add_argument("--tier", choices=["durable", "local"], default="durable",
+                    help="which tier to collect (with --local-tier); gc never crosses tiers")
     sp.set_defaults(fn=cmd_gc)
 
     sp = sub.add_parser("sign", help="sign a run's existing records (after re-hashing every save) with the configured key")

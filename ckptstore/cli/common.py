@@ -38,7 +38,7 @@ def open_store(args: argparse.Namespace, *, default_policy: str = "off") -> Chec
     keyring = load_keyring(key_file=key_file) if policy != "off" else None
     return CheckpointStore.open(
         args.url, args.run, mode="r", storage_options=parse_options(getattr(args, "storage_option", None)),
-        auth_policy=policy, keyring=keyring,
+        auth_policy=policy, keyring=keyring, local_tier=getattr(args, "local_tier", None),
     )
 
 
@@ -70,6 +70,8 @@ def storage_flags(sp: argparse.ArgumentParser) -> None:
         help="authenticated records: off (default), warn, require (keys: --auth-key-file or CKPTSTORE_AUTH_KEYS)",
     )
     sp.add_argument("--auth-key-file", default=None, help='key file {"active": ID, "keys": {ID: HEX}}, mode 600')
+    sp.add_argument("--local-tier", default=None, metavar="DIR",
+                    help="the run's local tier on this machine: show both tiers (docs/tiers.md)")
 
 
 def common_flags(sp: argparse.ArgumentParser) -> None:

@@ -47,6 +47,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for row, i in zip(rows, infos, strict=True):
             written = i.bytes_written if i.bytes_written is not None else i.bytes
             row[4:5] = [human_bytes(written), human_bytes(i.bytes_referenced or i.bytes)]
+    if store.tiered:  # which tier holds each save: local (not yet durable), durable, both
+        header.insert(4, "tier")
+        for r, i in zip(rows, infos, strict=True):
+            r.insert(4, i.ref.tier if i.ref is not None else "-")
     text = table(rows, header) if rows else "no saves"
     young, stale = store.leftovers(grace_seconds=args.grace)
     if young or stale:
@@ -75,7 +79,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
     if sel.latest:
         lines.append(
             f"latest complete: step {sel.latest.step} (attempt {sel.latest.attempt}, save {esc(sel.latest.save_id)}, "
-            f"{human_bytes(sel.latest.total_bytes)})"
+            f"{human_bytes(sel.latest.total_bytes)})" + (f", tier {sel.latest.tier}" if store.tiered else "")
         )
     else:
         lines.append("no complete save")
@@ -145,8 +149,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     store = open_store(args)
     with progress("gc --apply: deleting", 0, quiet=args.json or not args.apply):
-        rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply,
-                       deep=not args.shallow)
+        if getattr(args, "tier", "durable") == "local":  # each tier on its own, never across
+            rep = store.gc_local(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply,
+                                 deep=not args.shallow)
+        else:
+            rep = store.gc(keep_last=args.keep_last, grace_seconds=args.grace, dry_run=not args.apply,
+                           deep=not args.shallow)
     obj: dict[str, object] = {
         "dry_run": rep.dry_run,
         "refused": rep.refused,

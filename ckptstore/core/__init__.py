@@ -45,5 +45,8 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     core.ledger               the append-only event ledger
     core.resume_point         the save a writer resumes from
     core.signing              signing an existing run after the fact
+    tiers.local               the local tier: mirror, selection judged by durable attempts, gc
+    tiers.replicator          background replication to the durable tier, in commit order
+    tiers.tiered              the two tiers joined: save, select, resume, read, gc per tier
     store                     the public facade
 """

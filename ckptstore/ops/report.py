@@ -25,6 +25,7 @@ from ..store import CheckpointStore
 from ..util.redact import redact_url
 from .budget import Accounting, Budget, account, compare_costs
 from .events import RejectedEvent, confirm_budget_stop, confirm_finished, planned_steps, validate_events
+from .tier_record import render_rows, tier_summary
 
 
 def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: bool = True) -> dict[str, Any]:
@@ -82,6 +83,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
         },
         "timeline": _timeline(events),
         "rejected_events": [r.to_json() for r in rejected],
+        "tiers": tier_summary(saves, events, time.time()),
     }
 
 
@@ -223,6 +225,8 @@ def render_table(rec: dict[str, Any]) -> str:
         f"{min(st):.3f} / {sorted(st)[len(st) // 2]:.3f} / {max(st):.3f} s ({len(st)} saves)")
     ttf = [a["time_to_first_useful_step_s"] for a in rec["attempts"]]
     row("time to first useful step per attempt", ", ".join("-" if t is None else f"{t:.2f}s" for t in ttf))
+    for k, v in render_rows(rec.get("tiers")):
+        row(k, v)
     row("budget stopped", rec["budget_stopped"])
     rejected = rec.get("rejected_events") or []
     row("ledger events rejected (not counted)", len(rejected))

@@ -116,6 +116,11 @@ class SaveRef:
     save_id: str
     record: CommitRecord
     manifest_digest: str
+    #: where the save is read from in a tiered store: ``"durable"`` (the
+    #: default, and the only tier of a plain store), ``"local"`` (committed
+    #: in the local tier, not yet durable) or ``"both"`` (read locally, the
+    #: durable copy the fallback). Not part of the record.
+    tier: str = "durable"
 
     @classmethod
     def of(cls, rec: CommitRecord) -> SaveRef:
@@ -139,6 +144,8 @@ class SaveRef:
         ``ckptstore latest --json`` prints)."""
         out: dict[str, Any] = {"step": self.step, "attempt": self.attempt, "save_id": self.save_id,
                                "manifest_digest": self.manifest_digest}
+        if self.tier != "durable":
+            out["tier"] = self.tier
         if detail:
             out["bytes"] = self.total_bytes
             out["components"] = {n: c.to_json() for n, c in sorted(self.components.items())}
@@ -195,6 +202,7 @@ class SaveInfo:
             "created_at": self.created_at,
             "selected": self.selected,
             "manifest_digest": self.ref.manifest_digest if self.ref else None,
+            **({"tier": self.ref.tier} if self.ref is not None and self.ref.tier != "durable" else {}),
         }
 
 

@@ -184,6 +184,7 @@ class Checkpointer:
         auth_policy: AuthPolicy | str = "off",
         keyring: Keyring | None = None,
         protocol_version: int | None = None,
+        local_tier: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> Checkpointer:
         """Open run ``run_id`` of the store at ``url`` for writing and build a
@@ -197,7 +198,8 @@ class Checkpointer:
         open, for one read of the bytes instead of two.
 
         The store keywords (``resume_from``, ``storage_options``, ``retry``,
-        ``lineage``, ``auth_policy``, ``keyring``, ``protocol_version``) mean
+        ``lineage``, ``auth_policy``, ``keyring``, ``protocol_version``,
+        ``local_tier``) mean
         what they mean to :meth:`CheckpointStore.open`; every other keyword
         (``every_steps``, ``async_save``, ``keep_last``, ...) is the
         constructor's. :meth:`close` (or leaving a ``with`` block) also closes
@@ -212,7 +214,7 @@ class Checkpointer:
         store = CheckpointStore.open(
             url, run_id, identity=identity, mode="w", resume_from=resume_from, storage_options=storage_options,
             retry=retry, lineage=lineage, resume_verify="cheap", auth_policy=auth_policy, keyring=keyring,
-            protocol_version=protocol_version,
+            protocol_version=protocol_version, local_tier=local_tier,
         )
         try:
             ckpt = cls(store, objects, **options)
@@ -244,6 +246,7 @@ class Checkpointer:
         streams: CopyStreams | None = None,
         max_inflight: int = 1,
         metrics_path: str | None = None,
+        preempt_flush_seconds: float = 60.0,
     ) -> None:
         """Build on ``store`` (opened for writing). Every choice is checked
         here, and every object validated, before anything else happens."""
@@ -260,6 +263,10 @@ class Checkpointer:
         self.keep_every = keep_every
         self.retention_deep = retention_deep
         self.preempt_exit_code = preempt_exit_code
+        #: on a tiered store, how long a preemption waits for its save to reach the durable tier
+        self.preempt_flush_seconds = preempt_flush_seconds
+        #: after a preemption on a tiered store: whether the last save reached the durable tier
+        self.preempt_durable: bool | None = None
         self.on_config_change: ConfigChoice = on_config_change
         self.streams = streams
         #: hyperparameters that differed at resume (see on_config_change)
@@ -552,6 +559,7 @@ class Checkpointer:
             self.wait()
             if self._last_scheduled_step != step:
                 self.save(step, blocking=True, **save_kw)
+            self._flush_on_preempt(step)
             if self.record_events:
                 self.store.record_event("preempted", {"step": step})
             self.close()
@@ -562,11 +570,31 @@ class Checkpointer:
             self.save(step, **save_kw)
         return False
 
+    def _flush_on_preempt(self, step: int, event: str = "preempt-flush") -> None:
+        """On a tiered store: wait up to ``preempt_flush_seconds`` for the last
+        save to become durable (on preemption and at :meth:`finish`); record
+        and warn the outcome."""
+        make_durable = getattr(self.store, "make_durable", None)
+        if make_durable is None or not getattr(self.store, "tiered", False):
+            return
+        t0 = time.perf_counter()
+        self.preempt_durable = bool(make_durable(self.preempt_flush_seconds))
+        info = {"step": step, "durable": self.preempt_durable, "seconds": round(time.perf_counter() - t0, 3)}
+        if self.record_events:
+            self.store.record_event(event, info)
+        if not self.preempt_durable:
+            when = "preempted" if event == "preempt-flush" else "finished"
+            warnings.warn(f"{when} at step {step}: the last save is committed locally but did not reach the "
+                          f"durable tier within {self.preempt_flush_seconds} s", RuntimeWarning, stacklevel=3)
+
     def finish(self, step: int) -> SaveRef | None:
-        """End of training: make sure ``step`` (the last one) is saved, wait, close."""
+        """End of training: make sure ``step`` (the last one) is saved, wait, close. On a tiered
+        store, first wait up to ``preempt_flush_seconds`` for it to become durable (``finish-flush``)."""
         ref = None
         if self._last_scheduled_step != step:
             ref = self.save(step, blocking=True)
+        self.wait()
+        self._flush_on_preempt(step, event="finish-flush")  # tiered: the final save reaches the durable tier
         self.close()
         return ref
 

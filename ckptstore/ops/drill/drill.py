@@ -11,6 +11,8 @@
    before the commit; every restart is a fresh process that must resume from
    the newest complete save, with the same optimizer state bytes as the clean
    run at that step.
+4b. Two tiers (:mod:`.tiered`): a local directory in front of the store; the
+   local disk wiped mid-run, a local copy corrupted; the interval per tier.
 5. The same store path under a changed feature contract: refused.
 6. A budget breach after repeated interruptions: the job stops with an
    incomplete, unpromotable artifact.
@@ -46,6 +48,7 @@ from ..events import validate_events
 from ..promote import promote, promotion_check
 from ..report import build_record, render_table, render_timeline_svg
 from .proc import ProcResult, run_trainer, trainer_cmd
+from .tiered import run_tiered
 
 TOLERANCE = {"eval_accuracy": 0.01, "eval_loss": 0.01}  # declared before any run
 
@@ -149,6 +152,7 @@ class Drill:
         save_steps = save_s / max(step_s, 1e-9)
         raw = young_daly_interval(save_steps, self.cfg.mtbi_steps)
         self.interval = max(5, min(self.cfg.steps // 4, round(raw)))
+        self.step_seconds = step_s
         self.log(f"    pilot: {len(prog)} steps, {step_s * 1000:.1f} ms/step; save-and-publish median "
                  f"{save_s * 1000:.1f} ms ({save_steps:.2f} step-equivalents) over {len(saves)} saves")
         self.log(f"    Young/Daly: sqrt(2 x {save_steps:.2f} x {self.cfg.mtbi_steps:.0f} steps MTBI) = {raw:.1f} "
@@ -307,6 +311,7 @@ class Drill:
             "budget_breach": {k: self.budget_record[k] for k in ("spent_gpu_hours", "budget_stopped", "promotion",
                                                                   "interruptions", "wasted_steps")},
             "elapsed_s": round(time.monotonic() - self.t0, 1),
+            "tiers": self.tiers,
         }
         clean = self.reader("receipts-clean")
         clean_attempts = clean.attempts()
@@ -384,6 +389,7 @@ class Drill:
         self.pilot()
         self.clean()
         self.interrupted()
+        self.tiers = run_tiered(self, self.cfg.mtbi_steps, self.step_seconds)
         self.identity_change()
         self.budget_breach()
         self.verify()

@@ -209,6 +209,7 @@ def train(
     budget: Budget | None = None,
     progress_every: int = 1,
     slow_mid_component: float = 0.0,
+    local_tier: str | None = None,
 ) -> dict[str, Any]:
     """One attempt of the drill's training job: admit, resume, train to the end
     (or the budget), save the final state, record the result."""
@@ -219,7 +220,8 @@ def train(
     budget = budget or Budget()
     spent_before = _admit(url, run_id, ident, budget, storage_options)
     backend = _backend(url, storage_options, slow_commit, slow_after_component, slow_mid_component)
-    store = CheckpointStore.open(backend, run_id, identity=ident, storage_options=storage_options)
+    store = CheckpointStore.open(backend, run_id, identity=ident, storage_options=storage_options,
+                                 local_tier=local_tier)
     model, opt, sched = objs["model"], objs["optimizer"], objs["scheduler"]
     replay = ReplayLog()
     ckpt = Checkpointer(
@@ -389,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-gpu-hours", type=float, default=RESTART_GPU_HOURS)
     ap.add_argument("--progress-every", type=int, default=1)
     ap.add_argument("--slow-mid-component", type=float, default=0.0, help="test hook: stall inside a component write")
+    ap.add_argument("--local-tier", default=None, help="a local directory as the fast tier (docs/tiers.md)")
     ap.add_argument("--storage-options-fd", type=int, default=None,
                     help="read the storage options (JSON) from this inherited descriptor; "
                          "they never go on the command line, where ps shows them")
@@ -414,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             progress_every=a.progress_every,
             slow_mid_component=a.slow_mid_component,
             storage_options=storage_options,
+            local_tier=a.local_tier,
         )
     except BudgetStop:
         return 4

@@ -1,0 +1,169 @@
+"""The local tier of a tiered store: a directory on this machine's disk that
+holds publications of the run's saves (same save ID, same commit record
+bytes, so the same manifest digest) with the local backend's own atomic
+commit. ``docs/tiers.md`` and PROTOCOL.md §"Tiers" describe the rules.
+
+The durable store is the one source of truth for identity, attempts and
+fencing. The local tier keeps byte copies of the durable ``RUN.json`` and
+attempt records (so the local writer's fences and a ``ckptstore ls`` of the
+directory work without the network), but selection from the local tier is
+always judged against the *durable* attempt records: a local copy of a zombie
+attempt's save is superseded there exactly as in the durable tier.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..backends.local import LocalBackend
+from ..core.bounded_io import RunIO
+from ..core.catalog import Catalog
+from ..core.collector import GcReport, collect
+from ..core.fencing import AttemptLog, AttemptView
+from ..core.record_auth import RecordAuth
+from ..core.writer import WriterContext
+from ..errors import CkptStoreError, CorruptionError, NotFoundError, StoreUnavailableError
+from ..protocol import AttemptRecord, attempt_key, run_record_key
+from ..protocol.selection import SaveRef, Selection
+from ..retry import RetryPolicy
+
+#: Bytes read at most from a run record (PROTOCOL.md §2 cap).
+MAX_RUN_RECORD = 1 << 20
+#: Where a local tier that is not this run's is moved (never a run ID: it starts with a dot).
+QUARANTINE = ".quarantine"
+
+
+class LocalTier:
+    """One run's local tier: its I/O, a mirror of the durable attempt records,
+    a catalog judged by the durable attempts (selection) and one judged by the
+    local mirror (local gc, which never needs the durable tier)."""
+
+    def __init__(
+        self, root: str | os.PathLike[str], run_id: str, durable_attempts: AttemptLog, identity_digest: str,
+        auth: RecordAuth, retry: RetryPolicy | None,
+    ) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.backend = LocalBackend(self.root)
+        self.io = RunIO(self.backend, run_id, retry)
+        self.run_id = run_id
+        self.durable_attempts = durable_attempts
+        self.identity_digest = identity_digest
+        self.auth = auth
+        self.attempts = AttemptLog(self.io, auth)
+        #: selection: local saves judged by the durable attempt records
+        self.catalog = Catalog(self.io, durable_attempts, identity_digest)
+        #: local gc: local saves judged by the local mirror only
+        self.own_catalog = Catalog(self.io, self.attempts, identity_digest)
+        #: why the local tier was set aside at open (None when it was usable)
+        self.quarantined: str | None = None
+
+    # ---------------------------------------------------------------- mirror
+    def _quarantine(self, why: str) -> None:
+        """Move this run's local directory aside (never deleted: evidence) and start empty."""
+        src = self.root / self.run_id
+        if src.exists():
+            dest = self.root / QUARANTINE / f"{self.run_id}-{time.time_ns()}"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dest)
+        self.quarantined = why
+        self.attempts = AttemptLog(self.io, self.auth)
+        self.own_catalog = Catalog(self.io, self.attempts, self.identity_digest)
+        self.catalog = Catalog(self.io, self.durable_attempts, self.identity_digest)
+
+    def _copy(self, key: str, data: bytes, what: str) -> bool:
+        """Create ``key`` locally with ``data``; False when a different object is already there."""
+        if self.io.create(key, data, what=what):
+            return True
+        try:
+            return self.io.get_bounded(key, len(data) + 1) == data
+        except NotFoundError:
+            return self.io.create(key, data, what=what)
+
+    def mirror(self, run_record: bytes, view: AttemptView) -> None:
+        """Copy the durable run record and attempt records into the local tier.
+        A local tier whose copies differ (another run's, another machine's
+        with the same run ID) is quarantined first and the copy made afresh."""
+        for _ in range(2):
+            ok = self._copy(run_record_key(self.run_id), run_record, "run record copy")
+            bad = None if ok else "its RUN.json is not the durable run's (another run's local tier)"
+            if bad is None:
+                for n, rec in sorted(view.records.items()):
+                    if not self._copy(attempt_key(self.run_id, n), rec.encode(), "attempt record copy"):
+                        bad = f"its attempt record {n} differs from the durable one (another run's or machine's tier)"
+                        break
+            if bad is None:
+                return
+            self._quarantine(bad)
+        raise StoreUnavailableError(f"local tier {self.root}: cannot mirror the run's records ({bad})")
+
+    def add_attempt(self, rec: AttemptRecord) -> None:
+        """Mirror one newly registered attempt record."""
+        if not self._copy(attempt_key(self.run_id, rec.number), rec.encode(), "attempt record copy"):
+            self._quarantine(f"its attempt record {rec.number} differs from the durable one")
+            self._copy(attempt_key(self.run_id, rec.number), rec.encode(), "attempt record copy")
+
+    def writer(self, attempt: AttemptRecord, writer_id: str) -> WriterContext:
+        """The context of a local publication (fences against the local mirror)."""
+        return WriterContext(self.io, self.attempts, attempt, writer_id, self.identity_digest, self.auth)
+
+    # ------------------------------------------------------------- selection
+    def select(self, deep: bool, view: AttemptView | None, durable: SaveRef | None, *, own: bool = False
+               ) -> tuple[SaveRef | None, list[str]]:
+        """The newest local save that may be used, with the reasons any newer
+        local candidate was not: selection by the durable attempt records
+        (``view``), then two checks that only a local copy needs — its writer
+        is the writer that registered its attempt in the durable tier, and a
+        commit of the same step and attempt in the durable tier has the same
+        manifest digest. Either failing sets the whole local tier aside
+        (a planted or copied-in tier). Never raises for a bad local tier.
+        ``own``: judged by the local mirror of the attempts (the durable tier
+        is unavailable; never used for a resume point)."""
+        reasons: list[str] = []
+        log = self.attempts if own else self.durable_attempts
+        try:
+            sel = (self.own_catalog if own else self.catalog).select(deep, view, explain=False)
+        except CkptStoreError as exc:
+            return None, [f"local tier unreadable: {exc}"[:500]]
+        reasons += [f"step {k.step} attempt {k.attempt}: {k.reason.value}: {k.detail}"[:300] for k in sel.skipped]
+        ref = sel.latest
+        if ref is None:
+            return None, reasons
+        try:
+            registered = (view or log.load()).records.get(ref.attempt)
+        except CkptStoreError as exc:
+            return None, [*reasons, f"durable attempts unreadable: {exc}"[:500]]
+        if registered is None or registered.writer_id != ref.record.writer_id:
+            reasons.append(f"step {ref.step}: written by writer {ref.record.writer_id[:16]}, not the writer that "
+                           f"registered attempt {ref.attempt} in the durable tier (a foreign local tier)")
+            return None, reasons
+        if durable is not None and (durable.step, durable.attempt) == (ref.step, ref.attempt) \
+                and durable.manifest_digest != ref.manifest_digest:
+            reasons.append(f"step {ref.step}: manifest digest differs from the durable commit's (a foreign copy)")
+            return None, reasons
+        return replace(ref, tier="local"), reasons
+
+    def explain(self, durable: Selection, chosen: SaveRef | None, reasons: list[str]) -> Selection:
+        notes = (*durable.notes, *(f"local tier: {r}" for r in reasons[:20]))
+        return Selection(chosen, durable.skipped, durable.more_skipped, notes, durable.unusable)
+
+    def has_verified(self, ref: SaveRef) -> bool:
+        """Whether this tier holds ``ref``'s exact commit record and every component verifies (deep)."""
+        try:
+            rec = self.catalog.load_commit(ref.step, ref.attempt)
+            if rec.manifest_digest() != ref.manifest_digest:
+                return False
+            return not self.catalog.check_components(rec, None, True)
+        except (CorruptionError, NotFoundError, StoreUnavailableError):
+            return False
+
+    # -------------------------------------------------------------------- gc
+    def gc(self, *, keep_last: int, dry_run: bool = False, deep: bool = False,
+           grace_seconds: float = 3600.0) -> GcReport:
+        """Garbage collection of the local tier alone (judged by the local
+        attempt mirror: the durable tier is neither read nor touched)."""
+        return collect(self.own_catalog, keep_last=keep_last, keep_every=None, grace_seconds=grace_seconds,
+                       dry_run=dry_run, deep=deep)

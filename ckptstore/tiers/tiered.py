@@ -1,0 +1,251 @@
+"""The two tiers of one store together: what :class:`~ckptstore.CheckpointStore`
+delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
+``docs/tiers.md``).
+
+* save: stage and publish in the local tier (local-disk speed), then queue the
+  save for the :class:`~ckptstore.tiers.replicator.Replicator`;
+* select / resume: the newest save complete in either tier, a local copy only
+  when its attempt counts in the *durable* attempt records and (for a resume
+  point) every component re-hashed; the decision is recorded as ``resume-tier``;
+* read: a save held by both tiers is read locally, each component falling back
+  to the durable copy when the local one does not verify;
+* gc: each tier on its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from ..core.bounded_io import RunIO
+from ..core.catalog import Catalog
+from ..core.collector import GcReport
+from ..core.fencing import AttemptLog, AttemptView
+from ..core.ledger import Ledger
+from ..core.reader import Reader
+from ..core.record_auth import RecordAuth
+from ..core.resume_point import resume_point
+from ..core.writer import StagedSave, publish
+from ..errors import (
+    CkptStoreError,
+    CorruptionError,
+    NotFoundError,
+    ResumeRefusedError,
+    StoreUnavailableError,
+    TransientError,
+)
+from ..protocol import AttemptRecord, ComponentEntry, run_record_key
+from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
+from ..retry import RetryPolicy
+from .local import MAX_RUN_RECORD, LocalTier
+from .replicator import ReplicationStatus, Replicator
+
+T = TypeVar("T")
+
+#: Errors of a local read after which the durable copy of the same save is read instead.
+LOCAL_READ_FAILURES = (CorruptionError, NotFoundError, StoreUnavailableError, OSError)
+
+
+def _newer(a: SaveRef | None, b: SaveRef | None) -> bool:
+    """``a`` is a newer save than ``b`` (by step, then attempt)."""
+    return a is not None and (b is None or (a.step, a.attempt) > (b.step, b.attempt))
+
+
+class TierSet:
+    """The local tier, the replicator and the rules that join them to the durable store."""
+
+    def __init__(
+        self, root: str | os.PathLike[str], durable_io: RunIO, durable_attempts: AttemptLog, ledger: Ledger,
+        identity_digest: str, auth: RecordAuth, retry: RetryPolicy | None, *, keep: int, every: int, max_lag: int,
+    ) -> None:
+        self.durable_io = durable_io
+        self.durable_attempts = durable_attempts
+        self.ledger = ledger
+        self.retry = retry or RetryPolicy()
+        self.keep, self.every, self.max_lag = keep, every, max_lag
+        self.local = LocalTier(root, durable_io.run_id, durable_attempts, identity_digest, auth, retry)
+        self.local.io.layout_or_none = durable_io.layout  # the durable run record decides the naming
+        self.reader = Reader(self.local.catalog)
+        self.replicator: Replicator | None = None
+        self.last_local: SaveRef | None = None
+        self.attempt: AttemptRecord | None = None
+        self.writer_id = ""
+        #: the last resume decision (what the ``resume-tier`` event recorded)
+        self.resume_decision: dict[str, Any] | None = None
+        self._local_reasons: list[str] = []
+        #: called with each component name the replicator copied (tests use it to kill at a chosen point)
+        self.on_component: Callable[[str], None] | None = None
+
+    # ------------------------------------------------------------------ open
+    def prepare(self, view: AttemptView) -> None:
+        """Before the attempt is registered: mirror the run record and attempts."""
+        data = self.durable_io.get_bounded(run_record_key(self.durable_io.run_id), MAX_RUN_RECORD)
+        self.local.mirror(data, view)
+
+    def resume_point(self, catalog: Catalog, view: AttemptView, deep: bool, memo: set[str] | None, writer_id: str
+                     ) -> SaveRef | None:
+        """The newest save complete in either tier (the ``select`` of attempt registration)."""
+        durable: SaveRef | None = None
+        refused: ResumeRefusedError | None = None
+        try:
+            durable = resume_point(catalog, view, deep, memo, self.ledger, writer_id)
+        except ResumeRefusedError as exc:
+            refused = exc
+        local, reasons = self.local.select(deep, view, durable)
+        self._local_reasons = reasons
+        if refused is not None and local is None:
+            raise refused
+        if local is not None and durable is not None and (local.step, local.attempt) == (durable.step, durable.attempt):
+            return replace(local, tier="both")
+        return local if _newer(local, durable) else durable
+
+    def start(self, attempt: AttemptRecord, writer_id: str, resumed: SaveRef | None, durable_newest: int | None) -> None:
+        """After registration: mirror the new attempt, record ``resume-tier``,
+        start replicating (the resumed save first when only the local tier has it)."""
+        self.attempt, self.writer_id = attempt, writer_id
+        self.local.add_attempt(attempt)
+        self.replicator = Replicator(
+            self.local.io, self.durable_io, self.durable_attempts, every=self.every, max_lag=self.max_lag,
+            retry=self.retry, record=lambda k, p: self.record(k, p), after=self._retain,
+            on_component=lambda n: self.on_component(n) if self.on_component is not None else None,
+        )
+        if resumed is not None and resumed.tier != "local":
+            self.replicator.mark_durable(resumed)
+        self.resume_decision = {
+            "tier": None if resumed is None else ("local" if resumed.tier != "durable" else "durable"),
+            "step": resumed.step if resumed else None, "save_id": resumed.save_id if resumed else None,
+            "durable_newest_step": durable_newest,
+            "local_quarantined": self.local.quarantined,
+            "local_reasons": self._local_reasons[:20],
+            "steps_lost_with_local_tier": self._steps_lost(resumed),
+        }
+        self.record("resume-tier", self.resume_decision)
+        if resumed is not None and resumed.tier == "local":
+            self.replicator.submit(resumed, force=True)
+
+    def _steps_lost(self, resumed: SaveRef | None) -> int:
+        """Steps between the newest save the ledger knows of and the resume point."""
+        try:
+            events = self.ledger.read().events
+        except CkptStoreError:
+            return 0
+        newest = max((int(e.payload["step"]) for e in events
+                      if e.event in ("save", "replicated", "replication-skipped", "preempted")
+                      and isinstance(e.payload.get("step"), int)), default=None)
+        if newest is None:
+            return 0
+        return max(0, newest - (resumed.step if resumed is not None else -1))
+
+    def adopt(self, attempt: AttemptRecord) -> None:
+        """A new attempt registered by ``fall_back``: mirror it."""
+        self.attempt = attempt
+        self.local.add_attempt(attempt)
+
+    def record(self, kind: str, payload: Mapping[str, Any]) -> None:
+        self.ledger.append(kind, payload, self.attempt.number if self.attempt else None)
+
+    # ------------------------------------------------------------------ save
+    def stage(self, step: int, save_id: str) -> StagedSave:
+        assert self.attempt is not None
+        return StagedSave(self.local.writer(self.attempt, self.writer_id), step, save_id)
+
+    def publish(
+        self, step: int, save_id: str, components: Mapping[str, ComponentEntry], *, metadata: Mapping[str, Any] | None,
+        ranks: Mapping[int, Sequence[str]] | None = None, world_size: int | None = None, expect: Sequence[str] = (),
+    ) -> SaveRef:
+        """Publish locally (the local backend's atomic commit), queue for replication."""
+        assert self.attempt is not None and self.replicator is not None
+        ref = publish(self.local.writer(self.attempt, self.writer_id), step, save_id, components, metadata=metadata,
+                      ranks=ranks, world_size=world_size, expect=expect)
+        ref = replace(ref, tier="local")
+        self.last_local = ref
+        self.replicator.submit(ref)
+        return ref
+
+    def make_durable(self, timeout: float | None) -> bool:
+        """Force the newest local save into the queue (if not there or durable) and wait for it."""
+        ref, rep = self.last_local, self.replicator
+        if rep is None or ref is None:
+            return True
+        if not rep.is_durable(ref.save_id) and not rep.is_queued(ref.save_id):
+            rep.submit(ref, force=True)
+        rep.flush(timeout)
+        return rep.is_durable(ref.save_id)
+
+    def _retain(self, pending: int) -> None:
+        self.local.gc(keep_last=self.keep + pending)
+
+    # ------------------------------------------------------------- selection
+    def select(self, catalog: Catalog, deep: bool, explain: bool) -> Selection:
+        """The newest save complete in either tier, tier-tagged."""
+        try:
+            dsel = catalog.select(deep, explain=explain)
+        except (StoreUnavailableError, TransientError) as exc:
+            # the durable tier is away: the local tier alone, judged by its mirror of the attempts
+            local, reasons = self.local.select(deep, None, None, own=True)
+            note = f"durable tier unavailable: {type(exc).__name__}: {exc}"[:500]
+            return self.local.explain(Selection(None, [], notes=(note,)), local, reasons)
+        durable = dsel.latest
+        local, reasons = self.local.select(deep, None, durable)
+        chosen = durable
+        if local is not None and durable is not None and (local.step, local.attempt) == (durable.step, durable.attempt):
+            chosen = replace(local, tier="both")
+        elif _newer(local, durable):
+            chosen = local
+        return self.local.explain(dsel, chosen, reasons)
+
+    def list_saves(self, durable: list[SaveInfo], deep: bool, grace: float) -> list[SaveInfo]:
+        """Both tiers' saves, one row per save ID (tier on the ref)."""
+        try:
+            local = self.local.catalog.list_saves(self.local.catalog.scan(), deep, grace)
+        except CkptStoreError:
+            local = []
+        by_id = {i.save_id: i for i in durable}
+        out = list(durable)
+        for li in local:
+            di = by_id.get(li.save_id)
+            if li.state is not SaveState.COMMITTED or li.ref is None:
+                continue
+            if di is None:
+                out.append(replace(li, ref=replace(li.ref, tier="local"), selected=False))
+            elif di.state is SaveState.COMMITTED and di.ref is not None \
+                    and di.ref.manifest_digest == li.ref.manifest_digest:
+                out[out.index(di)] = replace(di, ref=replace(di.ref, tier="both"))
+        out.sort(key=lambda i: (i.step, i.attempt), reverse=True)
+        return out
+
+    def get_save(self, step: int, attempt: int | None) -> SaveRef:
+        """The local commit of ``step`` (not verified), tagged ``local``."""
+        return replace(self.local.catalog.get_save(step, attempt), tier="local")
+
+    # --------------------------------------------------------------- reading
+    def read(self, ref: SaveRef, durable: Callable[[], T], local: Callable[[], T]) -> T:
+        """Run ``local`` for a save the local tier holds; for one held by both
+        tiers, ``durable`` when the local read fails (a corrupt, truncated or
+        missing local copy never reaches the caller)."""
+        if ref.tier == "durable":
+            return durable()
+        if ref.tier == "local":
+            return local()
+        try:
+            return local()
+        except LOCAL_READ_FAILURES:
+            return durable()
+
+    # ------------------------------------------------------------ operations
+    def status(self) -> ReplicationStatus | None:
+        return self.replicator.status() if self.replicator is not None else None
+
+    def flush(self, timeout: float | None) -> bool:
+        return True if self.replicator is None else self.replicator.flush(timeout)
+
+    def gc(self, *, keep_last: int, dry_run: bool, deep: bool, grace_seconds: float) -> GcReport:
+        return self.local.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds)
+
+    def close(self, flush_seconds: float) -> None:
+        if self.replicator is not None:
+            self.replicator.flush(flush_seconds)
+            self.replicator.close()
+        self.local.backend.close()

@@ -111,6 +111,32 @@ def test_resume_from_last_continues_with_the_saved_weights(tmp_path: Path) -> No
     assert read_pointer(tmp_path / "ckpts" / "last.ckpt")["step"] == 12
 
 
+@pytest.mark.parametrize("plugin", ["sync", "async"])
+def test_checkpoints_come_back_with_their_keys_in_insertion_order(tmp_path: Path, plugin: str) -> None:
+    """Issue 24 item 3: ``zip(module.state_dict(), checkpoint["state_dict"])`` pairs the same keys, at the
+    top level, in state dicts and in the inline state of a second save at the same step."""
+    io: Any = _io(tmp_path) if plugin == "sync" else AsyncStoreCheckpointIO(_io(tmp_path))
+    model = LoggingModel()
+    trainer = _trainer(tmp_path, io, [], max_epochs=1, enable_checkpointing=False)
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    got = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert list(got["state_dict"]) == list(model.state_dict()) == ["layer.weight", "layer.bias"]
+    assert list(got)[:4] == ["epoch", "global_step", "pytorch-lightning_version", "state_dict"]
+    sd = {"z.weight": torch.ones(2), "z.bias": torch.zeros(1), "a.weight": torch.ones(3), "a.bias": torch.zeros(1)}
+    ck = {"global_step": 99, "zeta": {"b": 1, "a": 2}, "state_dict": sd, "alpha": [1]}
+    io.save_checkpoint(ck, tmp_path / "b.ckpt")
+    ck2 = {**ck, "zeta": {"y": 1, "x": 2}}  # same step, other small state: carried inline in the pointer
+    io.save_checkpoint(ck2, tmp_path / "c.ckpt")
+    for path, want in ((tmp_path / "b.ckpt", ck), (tmp_path / "c.ckpt", ck2)):
+        back = io.load_checkpoint(path)
+        assert list(back) == list(want) and list(back["zeta"]) == list(want["zeta"])
+        assert list(back["state_dict"]) == list(sd)
+    assert "zeta" in read_pointer(tmp_path / "c.ckpt")["inline"]
+    if plugin == "async":
+        io.teardown()
+
+
 def test_second_save_at_same_step_points_to_existing_save(tmp_path: Path) -> None:
     io = _io(tmp_path)
     model = LoggingModel()

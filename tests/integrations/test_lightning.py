@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, RunIdentity
+from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, NotFoundError, RunIdentity
 from ckptstore.integrations.lightning import (
     DOC_COMPONENT,
     AsyncStoreCheckpointIO,
+    RemovalRefusedWarning,
     StoreCheckpointIO,
     read_pointer,
     write_pointer_for_latest,
@@ -295,6 +297,56 @@ def test_async_variant_holds_no_thread_pool_when_idle_so_a_resumed_trainer_deep_
     assert not (tmp_path / "a.ckpt").exists() and read_pointer(tmp_path / "b.ckpt")["step"] == 2
     copy.deepcopy(resumed)
     resumed.teardown()
+
+
+class _SlowIO(StoreCheckpointIO):
+    """Saves that take longer than a training step (a large model), and optionally fail."""
+
+    fail_at: int | None = None
+
+    def _save_pointed(self, checkpoint: dict[str, Any], step: int, path: Any) -> None:
+        time.sleep(0.3)
+        if step == self.fail_at:
+            raise OSError(f"disk full at step {step}")
+        super()._save_pointed(checkpoint, step, path)
+
+
+def test_async_saves_slower_than_a_step_keep_every_version_modelcheckpoint_names(tmp_path: Path) -> None:
+    """Issue 24 item 2: ModelCheckpoint picks ``same-v1.ckpt`` only if ``same.ckpt`` exists when it checks;
+    a save still in flight must count as existing, or the next save takes its name and overwrites it
+    (1 of 4 files survived before the path was reserved on the caller's thread)."""
+    io = AsyncStoreCheckpointIO(_SlowIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT))
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="same", monitor="train_loss", save_top_k=-1,
+                           every_n_train_steps=1)
+    _trainer(tmp_path, io, [ckpt], max_steps=4, limit_val_batches=0).fit(LoggingModel())
+    io.wait()
+    files = sorted(os.listdir(tmp_path / "ckpts"))
+    assert files == ["same-v1.ckpt", "same-v2.ckpt", "same-v3.ckpt", "same.ckpt"]
+    steps = [io.load_checkpoint(tmp_path / "ckpts" / f)["global_step"] for f in ["same.ckpt", *files[:3]]]
+    assert steps == [1, 2, 3, 4]
+    io.teardown()
+
+
+def test_a_reservation_goes_with_a_failed_save_and_a_left_one_holds_no_checkpoint(tmp_path: Path) -> None:
+    inner = _SlowIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT)
+    inner.fail_at = 2
+    io = AsyncStoreCheckpointIO(inner)
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    assert (tmp_path / "a.ckpt").exists()  # reserved at once, before the background save ran
+    with pytest.raises(OSError, match="disk full"):
+        io.wait()
+    assert not (tmp_path / "a.ckpt").exists()  # the failed save took its reservation with it
+
+    # what a process killed mid-save leaves: a reservation; loading it names the fix, removal takes it
+    assert inner.reserve(tmp_path / "b.ckpt", 5) and not inner.reserve(tmp_path / "b.ckpt", 6)
+    with pytest.raises(NotFoundError, match="write_pointer_for_latest"):
+        StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run").load_checkpoint(tmp_path / "b.ckpt")
+    other = StoreCheckpointIO(url=str(tmp_path / "store"), run_id="other", identity=IDENT)
+    with pytest.warns(RemovalRefusedWarning, match="not a file this plug-in wrote"):
+        other.remove_checkpoint(tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "b.ckpt")
+    assert not (tmp_path / "b.ckpt").exists()
+    io.teardown()
 
 
 def test_pointer_for_latest_recovers_a_lost_pointer(tmp_path: Path) -> None:

@@ -17,7 +17,14 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
     """:class:`StoreCheckpointIO` with saves on a background thread.
 
     Lightning's ``AsyncCheckpointIO`` copies the tensors on the calling thread
-    and writes on one worker; here ``remove_checkpoint`` is queued behind the
+    and writes on one worker. Here the checkpoint's path is also *reserved* on
+    the calling thread (a small reservation file, replaced atomically by the
+    pointer once the save is committed, removed if the save fails), so that
+    ``ModelCheckpoint``'s version naming (``-v1``, ``-v2``), which checks
+    whether the file exists before the next save, never picks the path of a
+    save still in flight and overwrites it. A reservation left by a killed
+    process holds no checkpoint: loading it raises :class:`NotFoundError`
+    naming the fix. ``remove_checkpoint`` is queued behind the
     pending saves (a top-k removal never overtakes the save of the file it
     removes) and ``load_checkpoint`` waits for them. A failed background save
     is raised at the next call or at ``teardown``.
@@ -42,6 +49,10 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
                 raise InvalidInputError(
                     f"checkpoint[{key!r}]" + msg[len("state"):] if msg.startswith("state") else msg
                 ) from None
+        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+        path = kwargs["path"] if "path" in kwargs else args[1] if len(args) > 1 else None
+        if isinstance(step, int) and not isinstance(step, bool) and path is not None:
+            inner.reserve(path, step)  # the path is taken now, as after a synchronous save (see reserve)
         super().save_checkpoint(*args, **kwargs)
 
     def _run_in_order(self, fn: Callable[[], Any]) -> Any:

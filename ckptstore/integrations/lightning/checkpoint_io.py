@@ -19,7 +19,10 @@ Save, in this order:
 
 A crash before 3 leaves no pointer (Lightning sees no file; the store may hold
 a complete save, which :func:`write_pointer_for_latest` can point to). A
-pointer always names a committed save.
+pointer always names a committed save. (The asynchronous variant reserves a
+path that has no file yet with a reservation file on the caller's thread,
+replaced by the pointer in 3; a crash leaves the reservation, which loads as
+:class:`NotFoundError` naming that fix.)
 
 A second checkpoint at the same ``global_step`` in the same process (the
 ``last.ckpt`` beside the top-k file, a second ``ModelCheckpoint``,
@@ -84,6 +87,7 @@ from ...errors import (
     CkptStoreError,
     CorruptionError,
     InvalidInputError,
+    NotFoundError,
 )
 from ...identity import RunIdentity
 from ...protocol.auth import AuthPolicy, Keyring
@@ -109,7 +113,9 @@ from .files import (
     inline_state,
     make_pointer,
     map_tensors,
+    pending_bytes,
     publish,
+    reserve_path,
     tensor_bytes,
     url_scheme,
     write_atomic,
@@ -121,12 +127,14 @@ from .trust import (
     detached_header,
     inline_tensor_bytes,
     is_detached,
+    is_pending,
     load_detached,
     named_save,
     open_checked,
     parse_pointer,
     pointer_cap,
     read_at_most,
+    read_pending,
     read_pointer,
     remove_own_file,
 )
@@ -299,6 +307,28 @@ class StoreCheckpointIO(CheckpointIO):
         if not isinstance(step, int) or isinstance(step, bool):
             self._save_detached(checkpoint, path)
             return
+        try:
+            self._save_pointed(checkpoint, step, path)
+        except BaseException:
+            self.release(path)  # a reservation the save made for this path goes with it
+            raise
+
+    def reserve(self, path: PATH, step: int) -> bool:
+        """Put a reservation file at ``path`` if nothing is there, for a save of ``step`` that
+        will replace it (:class:`AsyncStoreCheckpointIO` does this on the caller's thread, so
+        that ``ModelCheckpoint``'s ``-v1`` version naming sees the path taken at once, as it
+        would after a synchronous save). True if this call made it."""
+        store = self.store
+        return reserve_path(path, pending_bytes(store.backend.url, store.run_id, step), self._options_for(os.fspath(path)))
+
+    def release(self, path: PATH) -> None:
+        """Remove the reservation at ``path`` if one of this plug-in's run is there (else nothing)."""
+        def reservation(f: Any, where: str) -> str | None:
+            return None if is_pending(f.read(len(DETACHED_MAGIC))) and self._mine_pending(f, where) is None else "-"
+
+        remove_own_file(path, reservation, self._options_for(os.fspath(path)))
+
+    def _save_pointed(self, checkpoint: dict[str, Any], step: int, path: PATH) -> None:
         parts = encode_checkpoint(checkpoint, self.registry)  # refuses unrepresentable objects before any write
         store = self.store
         keys = list(parts)
@@ -337,6 +367,14 @@ class StoreCheckpointIO(CheckpointIO):
             if is_detached(head):
                 f.seek(0)
                 return load_detached(f, where, self._detached_key, self.registry, map_location)
+            if is_pending(head):
+                pending = read_pending(f, where)
+                raise NotFoundError(
+                    f"{where}: no checkpoint here: the path was reserved by an asynchronous save of step "
+                    f"{pending['step']} (run {pending['run_id'][:64]!r}) that never finished (the process stopped "
+                    "first); resume from another checkpoint file, or write a pointer to the run's newest complete "
+                    "save with ckptstore.integrations.lightning.write_pointer_for_latest"
+                )
             raw = read_at_most(f, cap, where, head)
         ptr = parse_pointer(raw, where, cap)
         store = self._reader(ptr, where)
@@ -391,6 +429,8 @@ class StoreCheckpointIO(CheckpointIO):
                 f.seek(0)
                 detached_header(f, where, self._detached_key)
                 return None
+            if is_pending(head):
+                return self._mine_pending(f, where)
             ptr = parse_pointer(read_at_most(f, cap, where, head), where, cap)
             own = self._own()
         except CkptStoreError as exc:
@@ -398,6 +438,18 @@ class StoreCheckpointIO(CheckpointIO):
         if own is None or (own.backend.url, own.run_id) != (ptr["store"], ptr["run_id"]):
             return (f"not a file this plug-in wrote (a pointer to run {ptr['run_id']!r} at {ptr['store']}, "
                     "not to this plug-in's run)")
+        return None
+
+
+    def _mine_pending(self, f: Any, where: str) -> str | None:
+        """None if ``f`` (read past its magic line) is a reservation for this plug-in's own run."""
+        try:
+            doc = read_pending(f, where)
+        except CkptStoreError as exc:
+            return f"not a file this plug-in wrote ({str(exc).removeprefix(where + ': ')})"
+        own = self._store if self._store is not None else self._own()
+        if own is None or (own.backend.url, own.run_id) != (doc["store"], doc["run_id"]):
+            return "not a file this plug-in wrote (a reservation for another run)"
         return None
 
 

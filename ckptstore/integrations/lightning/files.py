@@ -191,6 +191,10 @@ def inline_state(pub: Published, parts: dict[str, _Part], step: int, max_inline_
 POINTER_TAG_DOMAIN = b"ckptstore/v1/lightning-pointer\x00"
 POINTER_TAG_KIND = "event"
 DETACHED_MAGIC = b"CKPTSTORE-LIGHTNING-DETACHED/2\n"
+#: a path reserved by an asynchronous save still in flight (the same length as DETACHED_MAGIC)
+PENDING_MAGIC = b"CKPTSTORE-LIGHTNING-PENDING/01\n"
+#: the most bytes a reservation file has
+MAX_PENDING_BYTES = 4096
 
 
 def is_remote(path: str) -> bool:
@@ -239,6 +243,43 @@ def write_atomic(path: PATH, data: bytes, options: Mapping[str, Any] | None = No
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def pending_bytes(url: str, run_id: str, step: int) -> bytes:
+    """A reservation file: the magic line and which run's save of which step will replace it."""
+    return PENDING_MAGIC + canonical_json({"store": url, "run_id": run_id, "step": step})
+
+
+def reserve_path(path: PATH, data: bytes, options: Mapping[str, Any] | None = None) -> bool:
+    """Create the file at ``path`` with ``data`` only if nothing is there (local: one exclusive,
+    no-follow create, fsynced with its directory; remote: a PUT after an existence check, the
+    plug-in being the job's one writer). True if this call created it."""
+    p = os.fspath(path)
+    if is_remote(p):
+        fs = filesystem(p, options)
+        if fs.exists(p):
+            return False
+        with fs.open(p, "wb") as f:
+            f.write(data)
+        return True
+    p = local_path(p)
+    d = os.path.dirname(os.path.abspath(p))
+    os.makedirs(d, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(p, flags, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return True
 
 
 def pointer_digest(doc: Mapping[str, Any]) -> str:

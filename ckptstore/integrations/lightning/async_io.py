@@ -52,7 +52,10 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         path = kwargs["path"] if "path" in kwargs else args[1] if len(args) > 1 else None
         if isinstance(step, int) and not isinstance(step, bool) and path is not None:
-            inner.reserve(path, step)  # the path is taken now, as after a synchronous save (see reserve)
+            try:
+                inner.reserve(path, step)  # the path is taken now, as after a synchronous save (see reserve)
+            except OSError:
+                pass  # the path cannot be written: the save itself fails on it, reported at the next call
         super().save_checkpoint(*args, **kwargs)
 
     def _run_in_order(self, fn: Callable[[], Any]) -> Any:

@@ -87,7 +87,6 @@ from ...errors import (
     CkptStoreError,
     CorruptionError,
     InvalidInputError,
-    NotFoundError,
 )
 from ...identity import RunIdentity
 from ...protocol.auth import AuthPolicy, Keyring
@@ -134,9 +133,10 @@ from .trust import (
     parse_pointer,
     pointer_cap,
     read_at_most,
-    read_pending,
     read_pointer,
     remove_own_file,
+    reservation_not_a_checkpoint,
+    reservation_of,
 )
 
 __all__ = [
@@ -326,7 +326,10 @@ class StoreCheckpointIO(CheckpointIO):
         def reservation(f: Any, where: str) -> str | None:
             return None if is_pending(f.read(len(DETACHED_MAGIC))) and self._mine_pending(f, where) is None else "-"
 
-        remove_own_file(path, reservation, self._options_for(os.fspath(path)))
+        try:
+            remove_own_file(path, reservation, self._options_for(os.fspath(path)))
+        except (OSError, CkptStoreError):
+            pass  # called while a save fails: that failure is what is raised
 
     def _save_pointed(self, checkpoint: dict[str, Any], step: int, path: PATH) -> None:
         parts = encode_checkpoint(checkpoint, self.registry)  # refuses unrepresentable objects before any write
@@ -368,13 +371,7 @@ class StoreCheckpointIO(CheckpointIO):
                 f.seek(0)
                 return load_detached(f, where, self._detached_key, self.registry, map_location)
             if is_pending(head):
-                pending = read_pending(f, where)
-                raise NotFoundError(
-                    f"{where}: no checkpoint here: the path was reserved by an asynchronous save of step "
-                    f"{pending['step']} (run {pending['run_id'][:64]!r}) that never finished (the process stopped "
-                    "first); resume from another checkpoint file, or write a pointer to the run's newest complete "
-                    "save with ckptstore.integrations.lightning.write_pointer_for_latest"
-                )
+                raise reservation_not_a_checkpoint(f, where)
             raw = read_at_most(f, cap, where, head)
         ptr = parse_pointer(raw, where, cap)
         store = self._reader(ptr, where)
@@ -443,14 +440,8 @@ class StoreCheckpointIO(CheckpointIO):
 
     def _mine_pending(self, f: Any, where: str) -> str | None:
         """None if ``f`` (read past its magic line) is a reservation for this plug-in's own run."""
-        try:
-            doc = read_pending(f, where)
-        except CkptStoreError as exc:
-            return f"not a file this plug-in wrote ({str(exc).removeprefix(where + ': ')})"
         own = self._store if self._store is not None else self._own()
-        if own is None or (own.backend.url, own.run_id) != (doc["store"], doc["run_id"]):
-            return "not a file this plug-in wrote (a reservation for another run)"
-        return None
+        return reservation_of(f, where, None if own is None else (own.backend.url, own.run_id))
 
 
 def load_module(

@@ -216,6 +216,29 @@ def read_pending(f: BinaryIO, where: str) -> dict[str, Any]:
     return doc
 
 
+def reservation_of(f: BinaryIO, where: str, own: tuple[str, str] | None) -> str | None:
+    """None if ``f`` (read past its magic line) is a reservation for the run ``own`` (store URL,
+    run ID), else why not (for :func:`remove_own_file`)."""
+    try:
+        doc = read_pending(f, where)
+    except CorruptionError as exc:
+        return f"not a file this plug-in wrote ({str(exc).removeprefix(where + ': ')})"
+    if own is None or own != (doc["store"], doc["run_id"]):
+        return "not a file this plug-in wrote (a reservation for another run)"
+    return None
+
+
+def reservation_not_a_checkpoint(f: BinaryIO, where: str) -> NotFoundError:
+    """What loading a reservation (``f`` read past its magic line) raises: it holds no checkpoint."""
+    doc = read_pending(f, where)
+    return NotFoundError(
+        f"{where}: no checkpoint here: the path was reserved by an asynchronous save of step {doc['step']} (run "
+        f"{doc['run_id'][:64]!r}) that never finished (the process stopped first); resume from another checkpoint "
+        "file, or write a pointer to the run's newest complete save with "
+        "ckptstore.integrations.lightning.write_pointer_for_latest"
+    )
+
+
 def detached_header(f: BinaryIO, where: str, key: bytes) -> dict[str, Any]:
     """The header of the detached file ``f`` (positioned at its start), checked
     against ``key`` before anything else is read."""

@@ -337,6 +337,12 @@ def test_a_reservation_goes_with_a_failed_save_and_a_left_one_holds_no_checkpoin
         io.wait()
     assert not (tmp_path / "a.ckpt").exists()  # the failed save took its reservation with it
 
+    # another plug-in of this process loading a path whose save is still running waits for it
+    inner.fail_at = None
+    io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.full((2,), 3.0)}}, tmp_path / "c.ckpt")
+    fresh = StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run")
+    assert fresh.load_checkpoint(tmp_path / "c.ckpt")["state_dict"]["w"].tolist() == [3.0, 3.0]
+
     # what a process killed mid-save leaves: a reservation; loading it names the fix, removal takes it
     assert inner.reserve(tmp_path / "b.ckpt", 5) and not inner.reserve(tmp_path / "b.ckpt", 6)
     with pytest.raises(NotFoundError, match="write_pointer_for_latest"):
@@ -345,6 +351,7 @@ def test_a_reservation_goes_with_a_failed_save_and_a_left_one_holds_no_checkpoin
     with pytest.warns(RemovalRefusedWarning, match="not a file this plug-in wrote"):
         other.remove_checkpoint(tmp_path / "b.ckpt")
     io.remove_checkpoint(tmp_path / "b.ckpt")
+    io.wait()  # the removal is queued behind the saves
     assert not (tmp_path / "b.ckpt").exists()
     io.teardown()
 

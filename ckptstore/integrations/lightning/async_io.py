@@ -11,6 +11,7 @@ from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 from ...errors import InvalidInputError
 from ...torch.codec import flatten
 from .checkpoint_io import StoreCheckpointIO
+from .files import mark_done, mark_in_flight
 
 
 class AsyncStoreCheckpointIO(AsyncCheckpointIO):
@@ -53,10 +54,18 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
         path = kwargs["path"] if "path" in kwargs else args[1] if len(args) > 1 else None
         if isinstance(step, int) and not isinstance(step, bool) and path is not None:
             try:
-                inner.reserve(path, step)  # the path is taken now, as after a synchronous save (see reserve)
+                if inner.reserve(path, step):  # the path is taken now, as after a synchronous save (see reserve)
+                    mark_in_flight(path)  # a load of it in this process waits for the queued save
             except OSError:
                 pass  # the path cannot be written: the save itself fails on it, reported at the next call
-        super().save_checkpoint(*args, **kwargs)
+        earlier = self._error
+        try:
+            super().save_checkpoint(*args, **kwargs)
+        except BaseException as exc:
+            if path is not None and exc is not earlier:  # refused before it was queued: nothing will replace it
+                inner.release(path)
+                mark_done(path)
+            raise
 
     def _run_in_order(self, fn: Callable[[], Any]) -> Any:
         """``fn`` after every queued save (now, when nothing was ever queued: no thread is made)."""

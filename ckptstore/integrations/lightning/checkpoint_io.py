@@ -112,11 +112,13 @@ from .files import (
     inline_state,
     make_pointer,
     map_tensors,
+    mark_done,
     pending_bytes,
     publish,
     reserve_path,
     tensor_bytes,
     url_scheme,
+    wait_in_flight,
     write_atomic,
     write_pointer_for_latest,
 )
@@ -312,6 +314,8 @@ class StoreCheckpointIO(CheckpointIO):
         except BaseException:
             self.release(path)  # a reservation the save made for this path goes with it
             raise
+        finally:
+            mark_done(path)  # a load waiting for this reservation reads the pointer (or no file) now
 
     def reserve(self, path: PATH, step: int) -> bool:
         """Put a reservation file at ``path`` if nothing is there, for a save of ``step`` that
@@ -370,9 +374,12 @@ class StoreCheckpointIO(CheckpointIO):
             if is_detached(head):
                 f.seek(0)
                 return load_detached(f, where, self._detached_key, self.registry, map_location)
-            if is_pending(head):
+            pending = is_pending(head)
+            if pending and not wait_in_flight(path):  # a save of this process still running: its pointer comes
                 raise reservation_not_a_checkpoint(f, where)
-            raw = read_at_most(f, cap, where, head)
+            raw = b"" if pending else read_at_most(f, cap, where, head)
+        if pending:
+            return self.load_checkpoint(path, map_location, weights_only)
         ptr = parse_pointer(raw, where, cap)
         store = self._reader(ptr, where)
         ref = named_save(store, ptr, where, self.auth)

@@ -9,6 +9,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 from base64 import b64encode
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -243,6 +244,40 @@ def write_atomic(path: PATH, data: bytes, options: Mapping[str, Any] | None = No
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+#: reservations made in this process whose saves are still running (path -> set when the save ends)
+_IN_FLIGHT: dict[str, threading.Event] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+#: the longest a load waits for a save of this process that reserved its path
+IN_FLIGHT_WAIT_SECONDS = 3600.0
+
+
+def _flight_key(path: PATH) -> str:
+    p = os.fspath(path)
+    return p if is_remote(p) else os.path.abspath(local_path(p))
+
+
+def mark_in_flight(path: PATH) -> None:
+    """Note that a save of this process reserved ``path`` and is running."""
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.setdefault(_flight_key(path), threading.Event())
+
+
+def mark_done(path: PATH) -> None:
+    """The save that reserved ``path`` (if one did) has ended, committed or failed."""
+    with _IN_FLIGHT_LOCK:
+        event = _IN_FLIGHT.pop(_flight_key(path), None)
+    if event is not None:
+        event.set()
+
+
+def wait_in_flight(path: PATH, timeout: float = IN_FLIGHT_WAIT_SECONDS) -> bool:
+    """Wait for a save of this process that reserved ``path``; False if there is none (or it outlasts
+    ``timeout``)."""
+    with _IN_FLIGHT_LOCK:
+        event = _IN_FLIGHT.get(_flight_key(path))
+    return event is not None and event.wait(timeout)
 
 
 def pending_bytes(url: str, run_id: str, step: int) -> bytes:

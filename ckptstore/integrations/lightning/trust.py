@@ -233,7 +233,8 @@ def reservation_not_a_checkpoint(f: BinaryIO, where: str) -> NotFoundError:
     doc = read_pending(f, where)
     return NotFoundError(
         f"{where}: no checkpoint here: the path was reserved by an asynchronous save of step {doc['step']} (run "
-        f"{doc['run_id'][:64]!r}) that never finished (the process stopped first); resume from another checkpoint "
+        f"{doc['run_id'][:64]!r}) that has not finished (it runs in another process, or that process stopped "
+        "first); resume from another checkpoint "
         "file, or write a pointer to the run's newest complete save with "
         "ckptstore.integrations.lightning.write_pointer_for_latest"
     )

@@ -11,10 +11,14 @@
 * a ``DataLoader``'s ``_get_iterator`` (torch and torchdata's
   ``StatefulDataLoader``): the one moment at which a restored loader applies
   its state, hooked once after a resume.
+* ``torch.utils.data.dataloader._MultiProcessingDataLoaderIter``: the class of
+  a DataLoader iterator that feeds worker processes, recognised on the call
+  stack of a sampler's first draw (:func:`feeding_worker_processes`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +42,7 @@ __all__ = [
     "StorageWriterTransforms",
     "StreamTransformExtension",
     "default_store",
+    "feeding_worker_processes",
     "hook_next_iterator",
     "narrow_tensor_by_index",
 ]
@@ -59,3 +64,24 @@ def hook_next_iterator(loader: Any, wrap: Callable[[Callable[[], Any]], Any]) ->
         return wrap(original)
 
     loader._get_iterator = once
+
+
+def feeding_worker_processes(depth: int = 6) -> bool:
+    """Whether the caller (a sampler's ``__iter__`` at its first draw) is being read by a
+    DataLoader iterator that hands indices to worker processes: such an iterator is
+    ``self`` of one of the next ``depth`` calling frames (torch's ``_next_index`` reads
+    the sampler through the batch sampler)."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    frame = inspect.currentframe()
+    try:
+        f = frame.f_back if frame is not None else None
+        for _ in range(depth):
+            if f is None:
+                return False
+            f = f.f_back
+            if f is not None and isinstance(f.f_locals.get("self"), _MultiProcessingDataLoaderIter):
+                return True
+        return False
+    finally:
+        del frame

@@ -10,7 +10,7 @@ from .restore import (
     ConfigDiff,
     restore_state,
 )
-from .sampler import ResumableSampler, RngPitfallWarning
+from .sampler import InexactResumeWarning, ResumableSampler, RngPitfallWarning
 from .state import (
     CheckpointMismatchError,
     capture_rng,
@@ -22,6 +22,7 @@ from .state import (
 
 __all__ = [
     "EX_TEMPFAIL",
+    "InexactResumeWarning",
     "CheckpointMismatchError",
     "Checkpointer",
     "ConfigChangeWarning",

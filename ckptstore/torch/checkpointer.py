@@ -77,10 +77,10 @@ from .inflight import SaveQueue
 from .loaders import (
     ResumableLoader,
     fix_stateful_dataloader_resume,
-    generator_pitfall,
     is_stateful_dataloader,
     live_iterator_problem,
     plain_loader_problem,
+    warn_inexact_resume,
 )
 from .metrics import CheckpointerMetrics, save_event, wasted_since
 from .restore import (
@@ -91,7 +91,7 @@ from .restore import (
     read_with_fallback,
     take_configured,
 )
-from .sampler import ResumableSampler, RngPitfallWarning
+from .sampler import ResumableSampler
 from .state import (
     RNG_KEY,
     CheckpointMismatchError,
@@ -315,9 +315,7 @@ class Checkpointer:
             problem = plain_loader_problem(name, obj)
             if problem:
                 raise InvalidInputError(problem)
-            pitfall = generator_pitfall(name, obj)
-            if pitfall:
-                warnings.warn(pitfall, RngPitfallWarning, stacklevel=3)
+            warn_inexact_resume(name, obj)  # worker RNG, persistent workers, replacement: the one-line fix
             if is_stateful_dataloader(obj):
                 continue  # its state_dict() would create an iterator (and start workers)
             try:

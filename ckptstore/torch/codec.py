@@ -10,7 +10,8 @@ JSON encoding of the non-JSON shapes (tagged single-key objects):
 
 * ``{"__t": "<tensor key>"}`` a torch tensor; ``{"__np": "<key>"}`` a numpy array
 * ``{"__tuple": [...]}`` a tuple
-* ``{"__map": [[k, v], ...]}`` a dict with non-string keys (optimizer state uses int keys)
+* ``{"__map": [[k, v], ...]}`` a dict with non-string keys (optimizer state uses int keys), or one whose
+  keys are not in sorted order (the stored JSON objects have sorted keys; a list keeps insertion order)
 * ``{"__float": "nan" | "inf" | "-inf"}`` non-finite floats
 * ``{"__dtype": "float32"}`` a torch dtype
 * a dict whose keys start with ``__`` is escaped as ``{"__map": ...}`` too.
@@ -91,80 +92,109 @@ def flatten(state: Any, *, prefix: str = "", registry: TypeRegistry | None = Non
 
     The same tensor object reachable twice (tied weights) is stored once.
     Enums and dataclasses are encoded only when their type is registered in
-    ``registry`` (default: :data:`TYPES`).
+    ``registry`` (default: :data:`TYPES`). Order is kept: a dict comes back
+    from :func:`unflatten` with its keys in insertion order (a dict whose keys
+    are not already in sorted order is encoded as ``{"__map": [[k, v], ...]}``,
+    since the stored JSON objects are written with sorted keys), and the
+    tensors are listed in the order the walk meets them.
     """
-    types = TYPES if registry is None else registry
-    out = Flattened(None)
-    by_id: dict[int, str] = {}
+    return _Flattener(prefix, TYPES if registry is None else registry).run(state)
 
-    def tensor_key(t: torch.Tensor, path: tuple[Any, ...]) -> str:
-        k = by_id.get(id(t))
-        if k is None:
-            k = prefix + ".".join(str(p) for p in path) if path else prefix + "_"
-            base, i = k, 1
-            while k in out.tensors:
-                k = f"{base}~{i}"
-                i += 1
-            by_id[id(t)] = k
-            out.tensors[k] = t
-        return k
 
-    def walk(x: Any, path: tuple[Any, ...]) -> Any:
+class _Flattener:
+    """One walk of :func:`flatten`: each kind of value has its own step."""
+
+    def __init__(self, prefix: str, types: TypeRegistry) -> None:
+        self.prefix = prefix
+        self.types = types
+        self.out = Flattened(None)
+        self.by_id: dict[int, str] = {}
+
+    def run(self, state: Any) -> Flattened:
+        self.out.tree = self.walk(state, ())
+        return self.out
+
+    def walk(self, x: Any, path: tuple[Any, ...]) -> Any:
         tx = type(x)
         if tx is int or tx is str or tx is bool or x is None:  # exact types: no enum or subclass gets here
             return x
         if (tx is list or tx is tuple) and all(type(v) is int for v in x):  # e.g. an RNG state
             return list(x) if tx is list else {"__tuple": list(x)}
-        extra = encode_extra(x, path, walk, types)
+        extra = encode_extra(x, path, self.walk, self.types)
         if extra is not NOT_EXTRA:
             return extra
         if isinstance(x, torch.Tensor):
-            if x.is_sparse or x.layout != torch.strided:
-                raise InvalidInputError(f"{path_str(path)}: sparse/non-strided tensors are not supported")
-            if x.dtype not in DTYPE_TO_ST:
-                raise InvalidInputError(f"{path_str(path)}: tensor dtype {x.dtype} has no safetensors encoding")
-            return {"__t": tensor_key(x, path)}
+            return self.tensor(x, path)
         if isinstance(x, np.ndarray):
-            t = torch.from_numpy(np.ascontiguousarray(x))
-            k = tensor_key(t, path)
-            return {"__np": k}
+            return self.array(x, path)
         if isinstance(x, np.generic):
-            return walk(x.item(), path)
-        if x is None or isinstance(x, (bool, str)):
-            return x
-        if isinstance(x, int):
-            return x
-        if isinstance(x, float):
-            if math.isfinite(x):
-                return x
-            return {"__float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+            return self.walk(x.item(), path)
+        if x is None or isinstance(x, (bool, str, int, float)):
+            return self.scalar(x)
         if isinstance(x, torch.dtype):
-            name = str(x).removeprefix("torch.")
-            if DTYPE_BY_NAME.get(name) is not x:
-                raise InvalidInputError(f"{path_str(path)}: dtype {x} is not in the codec's dtype table")
-            return {"__dtype": name}
+            return self.dtype(x, path)
         if isinstance(x, tuple):
-            return {"__tuple": [walk(v, (*path, i)) for i, v in enumerate(x)]}
+            return {"__tuple": [self.walk(v, (*path, i)) for i, v in enumerate(x)]}
         if isinstance(x, list):
-            return [walk(v, (*path, i)) for i, v in enumerate(x)]
+            return [self.walk(v, (*path, i)) for i, v in enumerate(x)]
         if isinstance(x, dict):
-            if all(isinstance(k, str) and not k.startswith("__") for k in x):
-                return {k: walk(v, (*path, k)) for k, v in x.items()}
-            items = []
-            for k, v in x.items():
-                if not isinstance(k, (str, int, bool)) and k is not None:
-                    raise InvalidInputError(
-                        f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} cannot be stored without pickle"
-                    )
-                items.append([k, walk(v, (*path, k))])
-            return {"__map": items}
+            return self.mapping(x, path)
         raise InvalidInputError(
             f"{path_str(path)}: object of type {type(x).__module__}.{type(x).__qualname__} cannot be stored "
             "without pickle; store its state_dict() or convert it to tensors/JSON values"
         )
 
-    out.tree = walk(state, ())
-    return out
+    def tensor_key(self, t: torch.Tensor, path: tuple[Any, ...]) -> str:
+        """The key of ``t`` among the tensors: its path, made unique; the same object keeps its first key."""
+        k = self.by_id.get(id(t))
+        if k is None:
+            k = self.prefix + ".".join(str(p) for p in path) if path else self.prefix + "_"
+            base, i = k, 1
+            while k in self.out.tensors:
+                k = f"{base}~{i}"
+                i += 1
+            self.by_id[id(t)] = k
+            self.out.tensors[k] = t
+        return k
+
+    def tensor(self, x: torch.Tensor, path: tuple[Any, ...]) -> Any:
+        if x.is_sparse or x.layout != torch.strided:
+            raise InvalidInputError(f"{path_str(path)}: sparse/non-strided tensors are not supported")
+        if x.dtype not in DTYPE_TO_ST:
+            raise InvalidInputError(f"{path_str(path)}: tensor dtype {x.dtype} has no safetensors encoding")
+        return {"__t": self.tensor_key(x, path)}
+
+    def array(self, x: np.ndarray[Any, Any], path: tuple[Any, ...]) -> Any:
+        k = self.tensor_key(torch.from_numpy(np.ascontiguousarray(x)), path)
+        return {"__np": k}
+
+    @staticmethod
+    def scalar(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return {"__float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+        return x
+
+    @staticmethod
+    def dtype(x: torch.dtype, path: tuple[Any, ...]) -> Any:
+        name = str(x).removeprefix("torch.")
+        if DTYPE_BY_NAME.get(name) is not x:
+            raise InvalidInputError(f"{path_str(path)}: dtype {x} is not in the codec's dtype table")
+        return {"__dtype": name}
+
+    def mapping(self, x: dict[Any, Any], path: tuple[Any, ...]) -> Any:
+        """A JSON object when its keys are plain strings already in sorted order (the order the
+        stored JSON has); else ``{"__map": [[k, v], ...]}`` in insertion order."""
+        keys = list(x)
+        if all(isinstance(k, str) and not k.startswith("__") for k in keys) and keys == sorted(keys):
+            return {k: self.walk(v, (*path, k)) for k, v in x.items()}
+        items = []
+        for k, v in x.items():
+            if not isinstance(k, (str, int, bool)) and k is not None:
+                raise InvalidInputError(
+                    f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} cannot be stored without pickle"
+                )
+            items.append([k, self.walk(v, (*path, k))])
+        return {"__map": items}
 
 
 def unflatten(tree: Any, tensors: dict[str, torch.Tensor], *, registry: TypeRegistry | None = None) -> Any:

@@ -31,17 +31,18 @@ from __future__ import annotations
 
 import hashlib
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
 from ..errors import InvalidInputError
 from ..shims.torch_private import hook_next_iterator
-from .sampler import ResumableSampler, carry_position, settle_global_rng, shard_length, warn_diverged
+from .sampler import InexactResumeWarning, ResumableSampler, carry_position, settle_global_rng, shard_length, warn_diverged
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -123,6 +124,7 @@ class ResumableLoader:
         self.seed_samples = seed_samples
         self.sampler = ResumableSampler(n, seed=seed, shuffle=shuffle, num_replicas=num_replicas, rank=rank)
         self.sampler.keyed = seed_samples
+        self.sampler.counted_by_owner = True  # batches are counted here, as the loop receives them
         self.epoch = 0
         #: batches of ``epoch`` handed to the training loop
         self.batches = 0
@@ -333,9 +335,38 @@ def plain_loader_problem(name: str, obj: Any) -> str | None:
     return None
 
 
-def generator_pitfall(name: str, obj: Any) -> str | None:
-    """A loader whose shuffle an exact resume does not cover."""
-    if is_stateful_dataloader(obj) and shuffle_uses_replacement(obj):
-        return (f"{name}: a sampler drawing with replacement uses its generator during the epoch; "
-                "an exact resume is not covered for it.")
-    return None
+def inexact_resume_problems(name: str, obj: Any) -> list[str]:
+    """Why resuming a registered loader would not match the uninterrupted run, each with its one-line fix
+    (the set-ups the Checkpointer cannot make exact itself)."""
+    if not is_stateful_dataloader(obj):
+        return []
+    out: list[str] = []
+    workers = int(getattr(obj, "num_workers", 0) or 0)
+    dataset = getattr(obj, "dataset", None)
+    if workers > 0 and not isinstance(dataset, (WorkerRngState, IterableDataset)):
+        out.append(
+            f"{name}: a StatefulDataLoader with num_workers={workers} over a dataset without WorkerRngState: the "
+            "workers' random, NumPy and torch RNG states are not in its state, so random augmentation in "
+            "Dataset.__getitem__ differs after a resume. Fix: StatefulDataLoader(ckptstore.torch.WorkerRngState("
+            "dataset), ...) (or ckptstore.torch.ResumableLoader); a dataset that draws no random numbers needs no "
+            "fix."
+        )
+    if workers > 0 and getattr(obj, "persistent_workers", False):
+        out.append(
+            f"{name}: a StatefulDataLoader with persistent_workers=True keeps its workers, and their RNG, "
+            "across epochs; an exact resume is not covered for it. Fix: persistent_workers=False (or "
+            "ckptstore.torch.ResumableLoader, exact with persistent workers)."
+        )
+    if shuffle_uses_replacement(obj):
+        out.append(
+            f"{name}: a sampler drawing with replacement uses its generator during the epoch; an exact resume is "
+            "not covered for it. Fix: shuffle=True without replacement, or ckptstore.torch.ResumableLoader."
+        )
+    return out
+
+
+def warn_inexact_resume(name: str, obj: Any) -> None:
+    """Warn (:class:`InexactResumeWarning`, at the Checkpointer's caller) for each of
+    :func:`inexact_resume_problems`."""
+    for problem in inexact_resume_problems(name, obj):
+        warnings.warn(problem, InexactResumeWarning, stacklevel=4)

@@ -59,11 +59,13 @@ def _raw_view(t: torch.Tensor) -> memoryview:
 def safetensors_stream(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[int, Iterator[memoryview]]:
     """(total size, buffers) of a safetensors file holding ``tensors``.
 
-    Tensors must be contiguous CPU tensors; their memory is streamed as is.
+    Tensors must be contiguous CPU tensors; their memory is streamed as is,
+    in the dict's order (the header lists them in that order too, and
+    :func:`tensors_from_buffer` returns them by offset: in the same order).
     """
     header: dict[str, Any] = {}
     offset = 0
-    order = sorted(tensors)
+    order = list(tensors)
     for k in order:
         t = tensors[k]
         if t.device.type != "cpu" or not t.is_contiguous():

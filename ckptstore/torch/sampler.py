@@ -49,11 +49,28 @@ import torch
 from torch.utils.data import Sampler
 
 from ..errors import InvalidInputError
+from ..shims.torch_private import feeding_worker_processes
 
 
 class RngPitfallWarning(UserWarning):
     """The global RNG was used in a way that makes a resumed run diverge from
     the uninterrupted one (e.g. between ``resume()`` and the first batch)."""
+
+
+class InexactResumeWarning(RngPitfallWarning):
+    """A data-loading set-up whose resume would not match the uninterrupted run
+    (the position or the workers' randomness is not what is saved); the message
+    names the one-line fix. ``warnings.simplefilter("error", InexactResumeWarning)``
+    makes it a refusal."""
+
+
+#: what :class:`ResumableSampler` says when a DataLoader with worker processes reads it
+WORKERS_READ_SAMPLER = (
+    "ResumableSampler is read by a DataLoader with worker processes (num_workers > 0): {what} "
+    "Fix: ckptstore.torch.ResumableLoader(dataset, batch_size=..., num_workers=...) in place of "
+    "DataLoader(dataset, sampler=ResumableSampler(...)) (its position counts the batches trained on and each "
+    "sample's augmentation is seeded by (seed, epoch, index)), or num_workers=0."
+)
 
 
 def _after_one_draw(state: torch.Tensor) -> torch.Tensor:
@@ -144,6 +161,9 @@ class ResumableSampler(Sampler[int]):
         self._armed: torch.Tensor | None = None
         #: what the first iteration after a resume found (see settle_global_rng)
         self.rng_after_resume: str | None = None
+        #: the position is counted by the loader that owns this sampler (ResumableLoader): workers are fine
+        self.counted_by_owner = False
+        self._warned_workers = False
 
     def order(self, epoch: int) -> list[int]:
         """This rank's indices of epoch ``epoch``, in order (DistributedSampler's)."""
@@ -184,6 +204,13 @@ class ResumableSampler(Sampler[int]):
         self._start_pos = (epoch, offset)
         self._live += 1
         try:
+            if not self.counted_by_owner and not self._warned_workers and feeding_worker_processes():
+                self._warned_workers = True
+                what = ("the randomness drawn in the workers (augmentation in Dataset.__getitem__) is not saved, so "
+                        "a resumed run draws other augmentations." if self.manual else
+                        "the loader prefetches, so the position saved counts indices handed to the workers, ahead "
+                        "of the batches trained on (a resume skips them), and the workers' randomness is not saved.")
+                warnings.warn(WORKERS_READ_SAMPLER.format(what=what), InexactResumeWarning, stacklevel=4)
             while offset < self.length:
                 i = order[offset]
                 offset += 1

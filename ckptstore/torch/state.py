@@ -338,6 +338,7 @@ def write_snapshot(
         "format": FORMAT,
         "step": step,
         "trees": snap.trees,
+        "order": list(snap.trees),  # the JSON object "trees" is written with sorted keys
         "tensor_components": components,
         "objects": snap.objects,
         "torch": torch.__version__,
@@ -416,6 +417,11 @@ def read_save(store: CheckpointStore, ref: SaveRef, limits: Mapping[str, int] | 
     trees, comps, objs = doc.get("trees"), doc.get("tensor_components"), doc.get("objects", {})
     if not isinstance(trees, dict) or not isinstance(comps, dict) or not isinstance(objs, dict):
         raise CorruptionError(f"{where}: {STATE_COMPONENT} lacks its trees / tensor_components / objects tables")
+    order = doc.get("order", sorted(trees))  # saves written before "order" was recorded: sorted
+    if (not isinstance(order, list) or not all(isinstance(n, str) for n in order) or len(order) != len(trees)
+            or set(order) != set(trees)):
+        raise CorruptionError(f"{where}: {STATE_COMPONENT} field order does not list each entry of trees once")
+    trees = {name: trees[name] for name in order}
     for name, comp in comps.items():
         if name not in trees or comp != f"{name}.safetensors":
             raise CorruptionError(f"{where}: tensor component {comp!r} of entry {name!r} is not a valid reference")

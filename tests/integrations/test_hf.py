@@ -178,3 +178,19 @@ def test_restore_step_restores_that_step_and_leaves_newer_dirs(tmp_path: Path) -
     assert (out / "checkpoint-2" / "trainer_state.json").read_bytes() == (tmp_path / "moved" / "trainer_state.json").read_bytes()
     assert (out / "checkpoint-4").is_dir()  # an explicit step does not set newer directories aside
     assert restore_step(str(tmp_path / "store"), out, 3, run_id="hf-run") is None
+
+
+def test_restored_checkpoint_files_are_the_trainers_bytes_so_key_order_is_kept(tmp_path: Path) -> None:
+    """Issue 24 item 3 on the HF path: the plug-in stores the Trainer's files byte for byte, so the tensor
+    and key order of model.safetensors and optimizer.pt is the Trainer's own after a restore."""
+    from safetensors import safe_open
+
+    _trainer(tmp_path / "out", 2, [StoreCallback(_store(tmp_path))]).train()
+    path = restore_latest(str(tmp_path / "store"), tmp_path / "fresh", run_id="hf-run")
+    assert path == str(tmp_path / "fresh" / "checkpoint-2")
+    src = tmp_path / "out" / "checkpoint-2"
+    for f in src.rglob("*"):
+        if f.is_file():
+            assert (Path(path) / f.relative_to(src)).read_bytes() == f.read_bytes(), f.name
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as st:  # type: ignore[no-untyped-call]
+        assert set(st.keys()) <= set(_model().state_dict())

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, RunIdentity
+from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, NotFoundError, RunIdentity
 from ckptstore.integrations.lightning import (
     DOC_COMPONENT,
     AsyncStoreCheckpointIO,
+    RemovalRefusedWarning,
     StoreCheckpointIO,
     read_pointer,
     write_pointer_for_latest,
@@ -109,6 +111,32 @@ def test_resume_from_last_continues_with_the_saved_weights(tmp_path: Path) -> No
     assert trainer.global_step == 12
     assert io2.store.resumed_from is not None and io2.store.resumed_from.step == 6
     assert read_pointer(tmp_path / "ckpts" / "last.ckpt")["step"] == 12
+
+
+@pytest.mark.parametrize("plugin", ["sync", "async"])
+def test_checkpoints_come_back_with_their_keys_in_insertion_order(tmp_path: Path, plugin: str) -> None:
+    """Issue 24 item 3: ``zip(module.state_dict(), checkpoint["state_dict"])`` pairs the same keys, at the
+    top level, in state dicts and in the inline state of a second save at the same step."""
+    io: Any = _io(tmp_path) if plugin == "sync" else AsyncStoreCheckpointIO(_io(tmp_path))
+    model = LoggingModel()
+    trainer = _trainer(tmp_path, io, [], max_epochs=1, enable_checkpointing=False)
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    got = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert list(got["state_dict"]) == list(model.state_dict()) == ["layer.weight", "layer.bias"]
+    assert list(got)[:4] == ["epoch", "global_step", "pytorch-lightning_version", "state_dict"]
+    sd = {"z.weight": torch.ones(2), "z.bias": torch.zeros(1), "a.weight": torch.ones(3), "a.bias": torch.zeros(1)}
+    ck = {"global_step": 99, "zeta": {"b": 1, "a": 2}, "state_dict": sd, "alpha": [1]}
+    io.save_checkpoint(ck, tmp_path / "b.ckpt")
+    ck2 = {**ck, "zeta": {"y": 1, "x": 2}}  # same step, other small state: carried inline in the pointer
+    io.save_checkpoint(ck2, tmp_path / "c.ckpt")
+    for path, want in ((tmp_path / "b.ckpt", ck), (tmp_path / "c.ckpt", ck2)):
+        back = io.load_checkpoint(path)
+        assert list(back) == list(want) and list(back["zeta"]) == list(want["zeta"])
+        assert list(back["state_dict"]) == list(sd)
+    assert "zeta" in read_pointer(tmp_path / "c.ckpt")["inline"]
+    if plugin == "async":
+        io.teardown()
 
 
 def test_second_save_at_same_step_points_to_existing_save(tmp_path: Path) -> None:
@@ -269,6 +297,63 @@ def test_async_variant_holds_no_thread_pool_when_idle_so_a_resumed_trainer_deep_
     assert not (tmp_path / "a.ckpt").exists() and read_pointer(tmp_path / "b.ckpt")["step"] == 2
     copy.deepcopy(resumed)
     resumed.teardown()
+
+
+class _SlowIO(StoreCheckpointIO):
+    """Saves that take longer than a training step (a large model), and optionally fail."""
+
+    fail_at: int | None = None
+
+    def _save_pointed(self, checkpoint: dict[str, Any], step: int, path: Any) -> None:
+        time.sleep(0.3)
+        if step == self.fail_at:
+            raise OSError(f"disk full at step {step}")
+        super()._save_pointed(checkpoint, step, path)
+
+
+def test_async_saves_slower_than_a_step_keep_every_version_modelcheckpoint_names(tmp_path: Path) -> None:
+    """Issue 24 item 2: ModelCheckpoint picks ``same-v1.ckpt`` only if ``same.ckpt`` exists when it checks;
+    a save still in flight must count as existing, or the next save takes its name and overwrites it
+    (1 of 4 files survived before the path was reserved on the caller's thread)."""
+    io = AsyncStoreCheckpointIO(_SlowIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT))
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="same", monitor="train_loss", save_top_k=-1,
+                           every_n_train_steps=1)
+    _trainer(tmp_path, io, [ckpt], max_steps=4, limit_val_batches=0).fit(LoggingModel())
+    io.wait()
+    files = sorted(os.listdir(tmp_path / "ckpts"))
+    assert files == ["same-v1.ckpt", "same-v2.ckpt", "same-v3.ckpt", "same.ckpt"]
+    steps = [io.load_checkpoint(tmp_path / "ckpts" / f)["global_step"] for f in ["same.ckpt", *files[:3]]]
+    assert steps == [1, 2, 3, 4]
+    io.teardown()
+
+
+def test_a_reservation_goes_with_a_failed_save_and_a_left_one_holds_no_checkpoint(tmp_path: Path) -> None:
+    inner = _SlowIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT)
+    inner.fail_at = 2
+    io = AsyncStoreCheckpointIO(inner)
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    assert (tmp_path / "a.ckpt").exists()  # reserved at once, before the background save ran
+    with pytest.raises(OSError, match="disk full"):
+        io.wait()
+    assert not (tmp_path / "a.ckpt").exists()  # the failed save took its reservation with it
+
+    # another plug-in of this process loading a path whose save is still running waits for it
+    inner.fail_at = None
+    io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.full((2,), 3.0)}}, tmp_path / "c.ckpt")
+    fresh = StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run")
+    assert fresh.load_checkpoint(tmp_path / "c.ckpt")["state_dict"]["w"].tolist() == [3.0, 3.0]
+
+    # what a process killed mid-save leaves: a reservation; loading it names the fix, removal takes it
+    assert inner.reserve(tmp_path / "b.ckpt", 5) and not inner.reserve(tmp_path / "b.ckpt", 6)
+    with pytest.raises(NotFoundError, match="write_pointer_for_latest"):
+        StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run").load_checkpoint(tmp_path / "b.ckpt")
+    other = StoreCheckpointIO(url=str(tmp_path / "store"), run_id="other", identity=IDENT)
+    with pytest.warns(RemovalRefusedWarning, match="not a file this plug-in wrote"):
+        other.remove_checkpoint(tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "b.ckpt")
+    io.wait()  # the removal is queued behind the saves
+    assert not (tmp_path / "b.ckpt").exists()
+    io.teardown()
 
 
 def test_pointer_for_latest_recovers_a_lost_pointer(tmp_path: Path) -> None:

@@ -32,11 +32,11 @@ BASELINE = os.environ.get("CKPT_PEER_BASELINE") == "1"
 
 
 class PeerReader(PathStoreReader):
-    """The suite saves Python objects (BYTE_IO items, pickled by DCP's planner)
-    and expects them back: it opts in to unpickling, as a caller must."""
+    """The reader as a user constructs it by default (no ``allow_pickle``): the suite's Python values
+    (BYTE_IO items, ``torch.save``d by DCP's planner) load under torch's restricted unpickler."""
 
     def __init__(self, path: Any, _extension_registry: Any = None) -> None:
-        super().__init__(path, _extension_registry, allow_pickle=True)
+        super().__init__(path, _extension_registry)
 
 
 if not BASELINE:

@@ -23,7 +23,8 @@ import pytest
 TRAINER = Path(__file__).parents[1] / "workers" / "torch_loader_trainer.py"
 
 
-def run(args: list[str], *, kill_after: str | None = None, delay: float = 0.0) -> tuple[int, list[str]]:
+def run(args: list[str], *, kill_after: str | None = None, delay: float = 0.0,
+        keep_stderr: bool = False) -> tuple[int, list[str]]:
     p = subprocess.Popen([sys.executable, str(TRAINER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     assert p.stdout is not None
@@ -35,7 +36,7 @@ def run(args: list[str], *, kill_after: str | None = None, delay: float = 0.0) -
             os.killpg(p.pid, signal.SIGKILL)  # the trainer and its loader workers, as a node loss would
             break
     _, err = p.communicate(timeout=120)
-    if p.returncode not in (0, -signal.SIGKILL):
+    if keep_stderr or p.returncode not in (0, -signal.SIGKILL):
         lines += ["STDERR " + ln for ln in err.splitlines()[-30:]]
     return p.returncode, lines
 
@@ -115,4 +116,34 @@ def test_the_comparison_catches_a_lost_position(tmp_path_factory: pytest.TempPat
     mine = batches(log)
     after = [k for k in ref_batches if k[0] > got["resumed_from"]]
     assert [mine[k][0] for k in after] != [ref_batches[k][0] for k in after]
+    assert got["final_digest"] != ref_result["final_digest"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "warned"),
+    [
+        ("sdl2raw", "StatefulDataLoader with num_workers=2 over a dataset without WorkerRngState"),
+        ("sampler2", "ResumableSampler is read by a DataLoader with worker processes"),
+    ],
+)
+def test_set_ups_that_cannot_resume_exactly_say_so_with_the_fix(
+    kind: str, warned: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue 24 item 6, no silent inexact resume: the same kill and restart as above, with augmentation in
+    the workers and no way to save it. The resumed run is indeed not the uninterrupted one (so the warning
+    is warranted), and both the killed run and the restart said so, naming the fix."""
+    ref_result, ref_batches = reference(kind, tmp_path_factory.getbasetemp())
+    d = tmp_path_factory.mktemp(kind)
+    store, log, res = str(d / "store"), d / "log", d / "res.json"
+    rc, first = run([store, "r", "--loader", kind, "--log", str(log), "--step-sleep", "0.05"],
+                    kill_after="COMMITTED 7", delay=0.1)
+    assert rc == -signal.SIGKILL, first[-20:]
+    rc, lines = run([store, "r", "--loader", kind, "--log", str(log), "--result", str(res)], keep_stderr=True)
+    assert rc == 0, "\n".join(lines[-30:])
+    stderr = "\n".join(ln for ln in lines if ln.startswith("STDERR "))
+    assert "InexactResumeWarning" in stderr and warned in stderr and "Fix: " in stderr
+    got = json.loads(res.read_text())
+    mine = batches(log)
+    after = [k for k in ref_batches if k[0] > got["resumed_from"]]
+    assert [mine[k] for k in after] != [ref_batches[k] for k in after]
     assert got["final_digest"] != ref_result["final_digest"]

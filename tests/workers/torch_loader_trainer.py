@@ -13,6 +13,8 @@ saves with retention. KIND picks the loader:
 * ``rloader2``   ResumableLoader, 2 workers
 * ``sdl0``       torchdata StatefulDataLoader, no workers, generator=
 * ``sdl2``       torchdata StatefulDataLoader, 2 workers, no generator, WorkerRngState
+* ``sdl2raw``    the same *without* WorkerRngState (warned at build time: augmentation in workers not saved)
+* ``sampler2``   plain DataLoader + ResumableSampler, 2 workers (warned at the first batch: prefetch, worker RNG)
 
 Lines on stdout: ``FRESH`` / ``RESUMED <step>``, ``STEP <k>``, ``COMMITTED <k>``,
 ``FINAL <digest>``. The log has one line per micro-batch:
@@ -69,6 +71,11 @@ def build_loader(kind: str, ds: Receipts) -> tuple[Any, dict[str, Any]]:
         sampler = ResumableSampler(N, seed=3)
         dl = torch.utils.data.DataLoader(ds, batch_size=BATCH, sampler=sampler)  # no generator=: the pitfall
         return dl, {"sampler": sampler}
+    if kind == "sampler2":
+        sampler = ResumableSampler(N, seed=3)
+        dl = torch.utils.data.DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=2,
+                                         generator=torch.Generator().manual_seed(3))
+        return dl, {"sampler": sampler}
     if kind in ("rloader0", "rloader2"):
         rl = ResumableLoader(ds, batch_size=BATCH, seed=3, num_workers=2 if kind == "rloader2" else 0)
         return rl, {"loader": rl}
@@ -78,6 +85,8 @@ def build_loader(kind: str, ds: Receipts) -> tuple[Any, dict[str, Any]]:
         sdl = StatefulDataLoader(ds, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3))
     elif kind == "sdl2":
         sdl = StatefulDataLoader(WorkerRngState(ds), batch_size=BATCH, shuffle=True, num_workers=2)
+    elif kind == "sdl2raw":
+        sdl = StatefulDataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=2)
     else:
         raise SystemExit(f"unknown loader {kind}")
     return sdl, {"loader": sdl}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import warnings
 from typing import Any
 
@@ -27,6 +28,31 @@ from .writer import StoreWriter
 MAX_BYTES_ITEM = 256 << 20
 
 
+def restricted_bytes(fqn: str, data: bytes) -> bytes:
+    """A BYTE_IO item (``torch.save`` of a non-tensor value, DCP's default planner) made safe to hand to
+    the planner, which unpickles it in full: the value is loaded with torch's restricted ``weights_only``
+    unpickler (primitives, containers, tensors, and what ``torch.serialization.add_safe_globals`` allows;
+    no other global is resolved, so no other code runs) and saved again, so what the planner unpickles
+    is this process's own encoding of a vetted value. Anything else is a :class:`PickleRefusedError`."""
+    try:
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()
+        why = next((ln.strip() for ln in first if "Unsupported" in ln or "GLOBAL" in ln), first[0] if first else "")
+        raise PickleRefusedError(
+            f"item {fqn!r} is a pickled Python object that torch's restricted weights_only unpickler refuses "
+            f"({why[:200]}); unpickling it in full runs arbitrary code. Pass allow_pickle=True to the reader only "
+            "for checkpoints you trust, allow its classes with torch.serialization.add_safe_globals, or keep "
+            "such objects out of the DCP state dict (store their state_dict() instead)"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - a damaged torch.save archive fails however its reader says so
+        raise CorruptionError(f"item {fqn!r}: its bytes are not a torch.save archive "
+                              f"({type(exc).__name__}: {str(exc)[:160]})") from None
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()
+
+
 class StoreReader(StorageReader):
     """A DCP ``StorageReader`` reading one committed save of the store.
 
@@ -34,8 +60,12 @@ class StoreReader(StorageReader):
     ``dcp.load`` (the highest committed attempt of that step); else, with a
     :class:`DistributedRun`, the save this attempt resumed from (the same on
     every rank); else ``latest_complete()``. Every byte range read is checked
-    against its item's BLAKE3 digest. BYTE_IO items are unpickled only with
-    ``allow_pickle=True``.
+    against its item's BLAKE3 digest. BYTE_IO items (non-tensor values, which
+    DCP's default planner stores with ``torch.save``) are loaded with torch's
+    restricted ``weights_only`` unpickler by default (primitives, containers,
+    tensors: see :func:`restricted_bytes`) and any other object is refused
+    with :class:`PickleRefusedError`; ``allow_pickle=True`` unpickles them in
+    full, for checkpoints you trust.
     """
 
     def __init__(
@@ -213,14 +243,10 @@ class StoreReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             if info.dtype is not None:
                 raise CorruptionError(f"item {req.storage_index.fqn!r}: a tensor item read as bytes")
-            if not self.allow_pickle:
-                raise PickleRefusedError(
-                    f"item {req.storage_index.fqn!r} is a pickled Python object (DCP stores non-tensor values with "
-                    "torch.save); unpickling runs arbitrary code. Pass allow_pickle=True to StoreReader only for "
-                    "checkpoints you trust, or keep non-tensor state out of the DCP state dict"
-                )
             if info.transforms:
                 data = self._untransform(info, req, raw, MAX_BYTES_ITEM)
+            if not self.allow_pickle:
+                data = restricted_bytes(req.storage_index.fqn, bytes(data))
             planner.load_bytes(req, io.BytesIO(bytes(data)))
             return
         if info.dtype is None or info.shape is None:

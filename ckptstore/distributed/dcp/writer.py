@@ -27,8 +27,10 @@ How a save goes:
 
 Loading reshards through DCP's planners (save on N ranks, load on M). A
 BYTE_IO item (a non-tensor object) was pickled by DCP's planner when it was
-saved; the reader keeps it as opaque bytes and refuses to hand it to an
-unpickler unless ``allow_pickle=True``.
+saved; by default the reader loads it only with torch's restricted
+``weights_only`` unpickler (primitives, containers, tensors) and refuses any
+other object with :class:`PickleRefusedError`; ``allow_pickle=True``
+unpickles in full, for checkpoints you trust.
 """
 
 from __future__ import annotations

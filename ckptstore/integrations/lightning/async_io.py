@@ -11,13 +11,21 @@ from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 from ...errors import InvalidInputError
 from ...torch.codec import flatten
 from .checkpoint_io import StoreCheckpointIO
+from .files import mark_done, mark_in_flight
 
 
 class AsyncStoreCheckpointIO(AsyncCheckpointIO):
     """:class:`StoreCheckpointIO` with saves on a background thread.
 
     Lightning's ``AsyncCheckpointIO`` copies the tensors on the calling thread
-    and writes on one worker; here ``remove_checkpoint`` is queued behind the
+    and writes on one worker. Here the checkpoint's path is also *reserved* on
+    the calling thread (a small reservation file, replaced atomically by the
+    pointer once the save is committed, removed if the save fails), so that
+    ``ModelCheckpoint``'s version naming (``-v1``, ``-v2``), which checks
+    whether the file exists before the next save, never picks the path of a
+    save still in flight and overwrites it. A reservation left by a killed
+    process holds no checkpoint: loading it raises :class:`NotFoundError`
+    naming the fix. ``remove_checkpoint`` is queued behind the
     pending saves (a top-k removal never overtakes the save of the file it
     removes) and ``load_checkpoint`` waits for them. A failed background save
     is raised at the next call or at ``teardown``.
@@ -42,7 +50,22 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
                 raise InvalidInputError(
                     f"checkpoint[{key!r}]" + msg[len("state"):] if msg.startswith("state") else msg
                 ) from None
-        super().save_checkpoint(*args, **kwargs)
+        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+        path = kwargs["path"] if "path" in kwargs else args[1] if len(args) > 1 else None
+        if isinstance(step, int) and not isinstance(step, bool) and path is not None:
+            try:
+                if inner.reserve(path, step):  # the path is taken now, as after a synchronous save (see reserve)
+                    mark_in_flight(path)  # a load of it in this process waits for the queued save
+            except OSError:
+                pass  # the path cannot be written: the save itself fails on it, reported at the next call
+        earlier = self._error
+        try:
+            super().save_checkpoint(*args, **kwargs)
+        except BaseException as exc:
+            if path is not None and exc is not earlier:  # refused before it was queued: nothing will replace it
+                inner.release(path)
+                mark_done(path)
+            raise
 
     def _run_in_order(self, fn: Callable[[], Any]) -> Any:
         """``fn`` after every queued save (now, when nothing was ever queued: no thread is made)."""

@@ -19,7 +19,10 @@ Save, in this order:
 
 A crash before 3 leaves no pointer (Lightning sees no file; the store may hold
 a complete save, which :func:`write_pointer_for_latest` can point to). A
-pointer always names a committed save.
+pointer always names a committed save. (The asynchronous variant reserves a
+path that has no file yet with a reservation file on the caller's thread,
+replaced by the pointer in 3; a crash leaves the reservation, which loads as
+:class:`NotFoundError` naming that fix.)
 
 A second checkpoint at the same ``global_step`` in the same process (the
 ``last.ckpt`` beside the top-k file, a second ``ModelCheckpoint``,
@@ -109,9 +112,13 @@ from .files import (
     inline_state,
     make_pointer,
     map_tensors,
+    mark_done,
+    pending_bytes,
     publish,
+    reserve_path,
     tensor_bytes,
     url_scheme,
+    wait_in_flight,
     write_atomic,
     write_pointer_for_latest,
 )
@@ -121,6 +128,7 @@ from .trust import (
     detached_header,
     inline_tensor_bytes,
     is_detached,
+    is_pending,
     load_detached,
     named_save,
     open_checked,
@@ -129,6 +137,8 @@ from .trust import (
     read_at_most,
     read_pointer,
     remove_own_file,
+    reservation_not_a_checkpoint,
+    reservation_of,
 )
 
 __all__ = [
@@ -299,6 +309,33 @@ class StoreCheckpointIO(CheckpointIO):
         if not isinstance(step, int) or isinstance(step, bool):
             self._save_detached(checkpoint, path)
             return
+        try:
+            self._save_pointed(checkpoint, step, path)
+        except BaseException:
+            self.release(path)  # a reservation the save made for this path goes with it
+            raise
+        finally:
+            mark_done(path)  # a load waiting for this reservation reads the pointer (or no file) now
+
+    def reserve(self, path: PATH, step: int) -> bool:
+        """Put a reservation file at ``path`` if nothing is there, for a save of ``step`` that
+        will replace it (:class:`AsyncStoreCheckpointIO` does this on the caller's thread, so
+        that ``ModelCheckpoint``'s ``-v1`` version naming sees the path taken at once, as it
+        would after a synchronous save). True if this call made it."""
+        store = self.store
+        return reserve_path(path, pending_bytes(store.backend.url, store.run_id, step), self._options_for(os.fspath(path)))
+
+    def release(self, path: PATH) -> None:
+        """Remove the reservation at ``path`` if one of this plug-in's run is there (else nothing)."""
+        def reservation(f: Any, where: str) -> str | None:
+            return None if is_pending(f.read(len(DETACHED_MAGIC))) and self._mine_pending(f, where) is None else "-"
+
+        try:
+            remove_own_file(path, reservation, self._options_for(os.fspath(path)))
+        except (OSError, CkptStoreError):
+            pass  # called while a save fails: that failure is what is raised
+
+    def _save_pointed(self, checkpoint: dict[str, Any], step: int, path: PATH) -> None:
         parts = encode_checkpoint(checkpoint, self.registry)  # refuses unrepresentable objects before any write
         store = self.store
         keys = list(parts)
@@ -337,7 +374,12 @@ class StoreCheckpointIO(CheckpointIO):
             if is_detached(head):
                 f.seek(0)
                 return load_detached(f, where, self._detached_key, self.registry, map_location)
-            raw = read_at_most(f, cap, where, head)
+            pending = is_pending(head)
+            if pending and not wait_in_flight(path):  # a save of this process still running: its pointer comes
+                raise reservation_not_a_checkpoint(f, where)
+            raw = b"" if pending else read_at_most(f, cap, where, head)
+        if pending:
+            return self.load_checkpoint(path, map_location, weights_only)
         ptr = parse_pointer(raw, where, cap)
         store = self._reader(ptr, where)
         ref = named_save(store, ptr, where, self.auth)
@@ -391,6 +433,8 @@ class StoreCheckpointIO(CheckpointIO):
                 f.seek(0)
                 detached_header(f, where, self._detached_key)
                 return None
+            if is_pending(head):
+                return self._mine_pending(f, where)
             ptr = parse_pointer(read_at_most(f, cap, where, head), where, cap)
             own = self._own()
         except CkptStoreError as exc:
@@ -399,6 +443,12 @@ class StoreCheckpointIO(CheckpointIO):
             return (f"not a file this plug-in wrote (a pointer to run {ptr['run_id']!r} at {ptr['store']}, "
                     "not to this plug-in's run)")
         return None
+
+
+    def _mine_pending(self, f: Any, where: str) -> str | None:
+        """None if ``f`` (read past its magic line) is a reservation for this plug-in's own run."""
+        own = self._store if self._store is not None else self._own()
+        return reservation_of(f, where, None if own is None else (own.backend.url, own.run_id))
 
 
 def load_module(

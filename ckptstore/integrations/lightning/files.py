@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import threading
 from base64 import b64encode
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -191,6 +192,10 @@ def inline_state(pub: Published, parts: dict[str, _Part], step: int, max_inline_
 POINTER_TAG_DOMAIN = b"ckptstore/v1/lightning-pointer\x00"
 POINTER_TAG_KIND = "event"
 DETACHED_MAGIC = b"CKPTSTORE-LIGHTNING-DETACHED/2\n"
+#: a path reserved by an asynchronous save still in flight (the same length as DETACHED_MAGIC)
+PENDING_MAGIC = b"CKPTSTORE-LIGHTNING-PENDING/01\n"
+#: the most bytes a reservation file has
+MAX_PENDING_BYTES = 4096
 
 
 def is_remote(path: str) -> bool:
@@ -221,6 +226,77 @@ def write_atomic(path: PATH, data: bytes, options: Mapping[str, Any] | None = No
     p = local_path(p)
     os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
     durable.write_atomic(p, data, prefix=".ckptstore-pointer-")
+
+
+#: reservations made in this process whose saves are still running (path -> set when the save ends)
+_IN_FLIGHT: dict[str, threading.Event] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+#: the longest a load waits for a save of this process that reserved its path
+IN_FLIGHT_WAIT_SECONDS = 3600.0
+
+
+def _flight_key(path: PATH) -> str:
+    p = os.fspath(path)
+    return p if is_remote(p) else os.path.abspath(local_path(p))
+
+
+def mark_in_flight(path: PATH) -> None:
+    """Note that a save of this process reserved ``path`` and is running."""
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.setdefault(_flight_key(path), threading.Event())
+
+
+def mark_done(path: PATH) -> None:
+    """The save that reserved ``path`` (if one did) has ended, committed or failed."""
+    with _IN_FLIGHT_LOCK:
+        event = _IN_FLIGHT.pop(_flight_key(path), None)
+    if event is not None:
+        event.set()
+
+
+def wait_in_flight(path: PATH, timeout: float = IN_FLIGHT_WAIT_SECONDS) -> bool:
+    """Wait for a save of this process that reserved ``path``; False if there is none (or it outlasts
+    ``timeout``)."""
+    with _IN_FLIGHT_LOCK:
+        event = _IN_FLIGHT.get(_flight_key(path))
+    return event is not None and event.wait(timeout)
+
+
+def pending_bytes(url: str, run_id: str, step: int) -> bytes:
+    """A reservation file: the magic line and which run's save of which step will replace it."""
+    return PENDING_MAGIC + canonical_json({"store": url, "run_id": run_id, "step": step})
+
+
+def reserve_path(path: PATH, data: bytes, options: Mapping[str, Any] | None = None) -> bool:
+    """Create the file at ``path`` with ``data`` only if nothing is there (local: one exclusive,
+    no-follow create, fsynced with its directory; remote: a PUT after an existence check, the
+    plug-in being the job's one writer). True if this call created it."""
+    p = os.fspath(path)
+    if is_remote(p):
+        fs = filesystem(p, options)
+        if fs.exists(p):
+            return False
+        with fs.open(p, "wb") as f:
+            f.write(data)
+        return True
+    p = local_path(p)
+    d = os.path.dirname(os.path.abspath(p))
+    os.makedirs(d, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(p, flags, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return True
 
 
 def pointer_digest(doc: Mapping[str, Any]) -> str:

@@ -31,6 +31,8 @@ from ...torch.codec import TypeRegistry, load_safetensors, tree_from_json, unfla
 from .files import (
     DEFAULT_MAX_INLINE_BYTES,
     DETACHED_MAGIC,
+    MAX_PENDING_BYTES,
+    PENDING_MAGIC,
     POINTER_FORMAT,
     POINTER_TAG_KIND,
     filesystem,
@@ -196,6 +198,46 @@ def pointer_auth_problem(auth: RecordAuth, doc: Mapping[str, Any]) -> str | None
 
 def is_detached(head: bytes) -> bool:
     return head.startswith(DETACHED_MAGIC)
+
+
+def is_pending(head: bytes) -> bool:
+    return head.startswith(PENDING_MAGIC)
+
+
+def read_pending(f: BinaryIO, where: str) -> dict[str, Any]:
+    """The fields of a reservation file (``f`` read past its magic line), parsed strictly."""
+    raw = f.read(MAX_PENDING_BYTES + 1)
+    if len(raw) > MAX_PENDING_BYTES:
+        raise CorruptionError(f"{where}: more than the {MAX_PENDING_BYTES} bytes allowed for a reservation file")
+    doc = decode_json(raw, where=where, max_bytes=MAX_PENDING_BYTES, canonical=True)
+    if (not isinstance(doc, dict) or set(doc) != {"store", "run_id", "step"} or not isinstance(doc["store"], str)
+            or not isinstance(doc["run_id"], str) or type(doc["step"]) is not int):
+        raise CorruptionError(f"{where}: not a well-formed reservation file")
+    return doc
+
+
+def reservation_of(f: BinaryIO, where: str, own: tuple[str, str] | None) -> str | None:
+    """None if ``f`` (read past its magic line) is a reservation for the run ``own`` (store URL,
+    run ID), else why not (for :func:`remove_own_file`)."""
+    try:
+        doc = read_pending(f, where)
+    except CorruptionError as exc:
+        return f"not a file this plug-in wrote ({str(exc).removeprefix(where + ': ')})"
+    if own is None or own != (doc["store"], doc["run_id"]):
+        return "not a file this plug-in wrote (a reservation for another run)"
+    return None
+
+
+def reservation_not_a_checkpoint(f: BinaryIO, where: str) -> NotFoundError:
+    """What loading a reservation (``f`` read past its magic line) raises: it holds no checkpoint."""
+    doc = read_pending(f, where)
+    return NotFoundError(
+        f"{where}: no checkpoint here: the path was reserved by an asynchronous save of step {doc['step']} (run "
+        f"{doc['run_id'][:64]!r}) that has not finished (it runs in another process, or that process stopped "
+        "first); resume from another checkpoint "
+        "file, or write a pointer to the run's newest complete save with "
+        "ckptstore.integrations.lightning.write_pointer_for_latest"
+    )
 
 
 def detached_header(f: BinaryIO, where: str, key: bytes) -> dict[str, Any]:

@@ -30,6 +30,8 @@ FULL = os.environ.get("CKPT_PEER") == "full"
 COMPAT = os.environ.get("CKPT_PEER_COMPAT") == "1"
 #: CKPT_PEER_BASELINE=1 leaves Lightning's TorchCheckpointIO in place (to tell version drift from our failures)
 BASELINE = os.environ.get("CKPT_PEER_BASELINE") == "1"
+#: CKPT_PEER_ASYNC=1 swaps in AsyncStoreCheckpointIO (background saves) instead of StoreCheckpointIO
+ASYNC = os.environ.get("CKPT_PEER_ASYNC") == "1"
 
 # every module-level import the vendored files need; a missing one skips the file instead of erroring the suite
 _NEEDS = {
@@ -80,7 +82,7 @@ def _store_checkpoint_io(tmp_path_factory: pytest.TempPathFactory, monkeypatch: 
         return
 
     from ckptstore import RunIdentity
-    from ckptstore.integrations.lightning import StoreCheckpointIO
+    from ckptstore.integrations.lightning import AsyncStoreCheckpointIO, StoreCheckpointIO
 
     ident = RunIdentity(data_digest="boring", code_digest="lightning-peer-tests")
 
@@ -97,7 +99,9 @@ def _store_checkpoint_io(tmp_path_factory: pytest.TempPathFactory, monkeypatch: 
 
     def eager_init(self: Any, *a: Any, **kw: Any) -> None:
         init(self, *a, **kw)
-        _ = self.strategy.checkpoint_io
+        io = self.strategy.checkpoint_io
+        if ASYNC and type(io) is StoreCheckpointIO:  # what Trainer(plugins=[AsyncStoreCheckpointIO(...)]) gives
+            self.strategy.checkpoint_io = AsyncStoreCheckpointIO(io)
 
     monkeypatch.setattr(Trainer, "__init__", eager_init)
     if COMPAT:

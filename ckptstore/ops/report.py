@@ -412,7 +412,9 @@ def _attempt_layers(rec: dict[str, Any], g: _Geometry) -> list[str]:
                        'stroke-dasharray="3 3"/>')
             label = f"restart #{n - 1}: from step {frm}" if frm is not None else f"restart #{n - 1}: from scratch"
             ly = g.mt + 28 + ((n - 2) % 4) * 13
-            out.append(f'<text x="{px + 3:.1f}" y="{ly}" fill="{col}">{html.escape(label)}</text>')
+            # a label near the right edge is drawn to the left of its line, so the plot never cuts it
+            anchor, lx = ("end", px - 3) if px > g.ml + 0.75 * g.W else ("start", px + 3)
+            out.append(f'<text x="{lx:.1f}" y="{ly}" text-anchor="{anchor}" fill="{col}">{html.escape(label)}</text>')
             if frm is not None:
                 out.append(f'<circle cx="{px:.1f}" cy="{g.y(int(frm)):.1f}" r="5" fill="none" stroke="{col}" '
                            'stroke-width="2"/>')

@@ -70,16 +70,24 @@ def check_data(data: Any) -> None:
         )
 
 
-def iter_chunks(data: Any, chunk: int = CHUNK) -> Iterator[memoryview]:
-    """Yield the data as byte views of at most ``chunk`` bytes."""
+def iter_chunks(data: Any, chunk: int | None = CHUNK) -> Iterator[memoryview]:
+    """Yield the data as byte views of at most ``chunk`` bytes; with
+    ``chunk=None``, each buffer whole (a file object in 8 MiB reads)."""
+
+    def split(b: memoryview) -> Iterator[memoryview]:
+        if chunk is None:
+            yield b
+            return
+        for i in range(0, len(b), chunk):
+            yield b[i : i + chunk]
+
     mv = as_buffer(data)
     if mv is not None:
-        for i in range(0, len(mv), chunk):
-            yield mv[i : i + chunk]
+        yield from split(mv)
         return
     if hasattr(data, "read"):
         while True:
-            block = data.read(chunk)
+            block = data.read(chunk or 1 << 23)
             if block is None:
                 continue
             if isinstance(block, str):
@@ -91,8 +99,7 @@ def iter_chunks(data: Any, chunk: int = CHUNK) -> Iterator[memoryview]:
         b = as_buffer(item)
         if b is None:
             raise InvalidInputError(f"component data item {i} is {describe_type(item)}, not a bytes-like buffer")
-        for j in range(0, len(b), chunk):
-            yield b[j : j + chunk]
+        yield from split(b)
 
 
 def rewind(data: Any) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import blake3
 
 from ..backends.base import Backend
-from ..errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError, SaveAbortedError
+from ..errors import CkptStoreError, CorruptionError, NotFoundError, SaveAbortedError
 from ..protocol import CommitRecord, ComponentEntry
 from ..protocol.layout import (
     STEP_WIDTH,
@@ -35,7 +35,7 @@ from ..protocol.pieces import ListedPiece, cut_pieces
 from ..protocol.records import IntentRecord, PieceRef, pieces_digest
 from ..protocol.selection import SkipReason
 from .bounded_io import RunIO
-from .hashing import CHUNK, as_buffer, describe_type
+from .hashing import CHUNK, iter_chunks
 
 Problems = list[tuple[SkipReason, str]]
 #: Pieces uploaded at the same time by one ``put``.
@@ -56,29 +56,6 @@ class PieceTiming:
 
     window: float = 2.0
     intent_ttl: float = 3600.0
-
-
-def _buffers(data: Any) -> Iterator[memoryview]:
-    """The component's data as flat byte views (one per buffer of an iterable)."""
-    mv = as_buffer(data)
-    if mv is not None:
-        yield mv
-        return
-    if hasattr(data, "read"):
-        while True:
-            block = data.read(1 << 23)
-            if block is None:
-                continue
-            if isinstance(block, str):
-                raise InvalidInputError("component file object is in text mode; open it with 'rb'")
-            if not block:
-                return
-            yield memoryview(block)
-    for i, item in enumerate(data):
-        b = as_buffer(item)
-        if b is None:
-            raise InvalidInputError(f"component data item {i} is {describe_type(item)}, not a bytes-like buffer")
-        yield b
 
 
 # --------------------------------------------------------------------- intents
@@ -272,7 +249,7 @@ class SavePieces:
         pending: list[Future[None]] = []
         pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="ckptstore-piece")
         try:
-            for piece in cut_pieces(_buffers(data)):
+            for piece in cut_pieces(iter_chunks(data, None)):
                 digest = blake3.blake3(piece, max_threads=blake3.blake3.AUTO if len(piece) >= 1 << 22 else 1).hexdigest()
                 size = len(piece)
                 ref = self._reuse(digest, size)

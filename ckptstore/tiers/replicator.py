@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,20 +76,18 @@ class ReplicationStatus:
         }
 
 
-def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
-              on_component: Callable[[str], None] | None = None) -> bool:
-    """Make ``ref`` (a local publication) durable. True when this call created
-    the durable commit record, False when it was already there with the same
-    bytes. Raises :class:`SupersededError` when the durable fences refuse it,
-    :class:`CorruptionError` when the local copy does not verify,
-    :class:`CommitConflictError` when the durable tier holds another commit
-    of the same step and attempt, and the store's errors otherwise."""
+def upload_components(local: RunIO, durable: RunIO, ref: SaveRef, names: Iterable[str] | None = None,
+                      on_component: Callable[[str], None] | None = None) -> None:
+    """Copy the components ``names`` of ``ref`` (default: all of them) from the
+    local tier into the durable save folder, every chunk verified against the
+    manifest on the way (:class:`CorruptionError` when the local copy does not
+    verify), then check that each landed intact in the durable listing
+    (:class:`NotFoundError` otherwise). Creates no commit record: a multi-rank
+    save has each rank upload its own names, and the coordinator commits."""
     rec = ref.record
-    data = rec.encode()  # the canonical bytes: the same manifest digest in both tiers
-    key = durable.layout.commit_key(durable.run_id, rec.step, rec.attempt)
-    attempt = attempts.read(rec.attempt)
-    attempts.check_not_superseded(attempt, rec.step, committed=False)
-    for name, comp in sorted(rec.components.items()):
+    chosen = sorted(rec.components) if names is None else sorted(names)
+    for name in chosen:
+        comp = rec.components[name]
         ckey = component_key(local.run_id, rec.save_id, name)
         size, digest = durable.put_hashed(ckey, local.verified_chunks(ckey, comp, f"local copy of {name!r}"))
         if (size, digest) != (comp.size, comp.blake3):
@@ -98,9 +96,22 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
             on_component(name)
     prefix = save_prefix(durable.run_id, rec.save_id)
     listed = {o.key[len(prefix):]: o.size for o in durable.list(prefix)}
-    for name, comp in rec.components.items():
-        if listed.get(name) != comp.size:
+    for name in chosen:
+        if listed.get(name) != rec.components[name].size:
             raise NotFoundError(f"{durable.where(prefix + name)}: replicated component did not land intact")
+
+
+def commit_durable(durable: RunIO, attempts: AttemptLog, ref: SaveRef) -> bool:
+    """Create the durable commit record of ``ref`` (every component already
+    uploaded and checked): the *same bytes* as the local one, between the
+    durable pre- and post-commit fences. True when this call created it, False
+    when it was already there with the same bytes; :class:`SupersededError`
+    when the fences refuse it, :class:`CommitConflictError` when the durable
+    tier holds another commit of the same step and attempt."""
+    rec = ref.record
+    data = rec.encode()  # the canonical bytes: the same manifest digest in both tiers
+    key = durable.layout.commit_key(durable.run_id, rec.step, rec.attempt)
+    attempt = attempts.read(rec.attempt)
     attempts.check_not_superseded(attempt, rec.step, committed=False)
     created = durable.create(key, data, what="commit record")
     if not created:
@@ -110,6 +121,22 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
                                       f"{rec.step}, attempt {rec.attempt}; the local copy is not replicated")
     attempts.check_not_superseded(attempt, rec.step, committed=True)
     return created
+
+
+def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
+              on_component: Callable[[str], None] | None = None) -> bool:
+    """Make ``ref`` (a local publication) durable: the pre-commit fence (a
+    fenced writer uploads nothing), :func:`upload_components`, then
+    :func:`commit_durable`. True when this call created the durable commit
+    record, False when it was already there with the same bytes. Raises
+    :class:`SupersededError` when the durable fences refuse it,
+    :class:`CorruptionError` when the local copy does not verify,
+    :class:`CommitConflictError` when the durable tier holds another commit
+    of the same step and attempt, and the store's errors otherwise."""
+    rec = ref.record
+    attempts.check_not_superseded(attempts.read(rec.attempt), rec.step, committed=False)
+    upload_components(local, durable, ref, None, on_component)
+    return commit_durable(durable, attempts, ref)
 
 
 #: ledger entries waiting for the durable tier, at most

@@ -11,6 +11,7 @@ import os
 import pathlib
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -516,3 +517,54 @@ def test_two_rank_ddp_spawn_job_saves_and_resumes_with_both_plugins(tmp_path: Pa
     check(run(StoreCheckpointIO, 1, False), 2, 1)
     check(run(AsyncStoreCheckpointIO, 2, True), 4, 2)
     check(run(StoreCheckpointIO, 3, True), 6, 3)
+
+
+def test_save_last_link_reads_and_removes_only_sibling_links_to_its_own_pointers(tmp_path: Path) -> None:
+    """``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a link to the newest top-k file of
+    the same directory and asks the plug-in to remove the previous link: a sibling link to one of the
+    plug-in's own pointers is read and removed (the link, never its target); any other link is not."""
+    ckpts = tmp_path / "ckpts"
+    io = _io(tmp_path)
+    model = LoggingModel()
+    ckpt = ModelCheckpoint(dirpath=ckpts, monitor="step", mode="max", save_top_k=1, save_last="link",
+                           filename="{epoch}-{step}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RemovalRefusedWarning)
+        _trainer(tmp_path, io, [ckpt], max_epochs=3).fit(model)
+    assert sorted(os.listdir(ckpts)) == ["epoch=2-step=9.ckpt", "last.ckpt"]  # no stale links pile up
+    assert os.readlink(ckpts / "last.ckpt") == "epoch=2-step=9.ckpt"
+    loaded = io.load_checkpoint(ckpts / "last.ckpt")
+    assert loaded["global_step"] == 9
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in model.state_dict().items())
+
+    io2 = _io(tmp_path)  # resume through the link, in a new attempt
+    ckpt2 = ModelCheckpoint(dirpath=ckpts, monitor="step", mode="max", save_top_k=1, save_last="link",
+                            filename="{epoch}-{step}")
+    trainer = _trainer(tmp_path, io2, [ckpt2], max_epochs=4)
+    trainer.fit(LoggingModel(), ckpt_path=str(ckpts / "last.ckpt"))
+    assert io2.store.resumed_from is not None and io2.store.resumed_from.step == 9
+    assert trainer.global_step == 12 and os.readlink(ckpts / "last.ckpt") == "epoch=3-step=12.ckpt"
+
+    # links the plug-in must neither read through nor remove
+    other = StoreCheckpointIO(url=str(tmp_path / "other"), run_id="run", identity=IDENT)
+    other.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(1)}}, ckpts / "theirs.ckpt")
+    (ckpts / "sub").mkdir()
+    (ckpts / "sub" / "x.ckpt").write_bytes((ckpts / "epoch=3-step=12.ckpt").read_bytes())
+    (ckpts / "to-theirs.ckpt").symlink_to("theirs.ckpt")
+    (ckpts / "to-sub.ckpt").symlink_to("sub/x.ckpt")
+    (ckpts / "to-abs.ckpt").symlink_to(ckpts / "epoch=3-step=12.ckpt")
+    (ckpts / "chain.ckpt").symlink_to("last.ckpt")
+    (ckpts / "dangling.ckpt").symlink_to("gone.ckpt")
+    for name, cause in {"to-theirs.ckpt": "link to 'theirs.ckpt', which is .*not to this plug-in's run",
+                        "to-sub.ckpt": "symbolic link", "to-abs.ckpt": "symbolic link",
+                        "chain.ckpt": "symbolic link", "dangling.ckpt": "'gone.ckpt', which is not there"}.items():
+        with pytest.warns(RemovalRefusedWarning, match=cause):
+            io2.remove_checkpoint(ckpts / name)
+        assert (ckpts / name).is_symlink()
+    for name in ("to-sub.ckpt", "to-abs.ckpt", "chain.ckpt"):
+        with pytest.raises(CorruptionError, match="symbolic link"):
+            io2.load_checkpoint(ckpts / name)
+    with pytest.raises(CorruptionError, match="to-theirs.ckpt: the pointer names run 'run' at .*other"):
+        io2.load_checkpoint(ckpts / "to-theirs.ckpt")  # followed one hop, then judged like any pointer
+    io2.remove_checkpoint(ckpts / "last.ckpt")
+    assert not (ckpts / "last.ckpt").exists() and (ckpts / "epoch=3-step=12.ckpt").is_file()

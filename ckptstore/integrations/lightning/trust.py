@@ -73,19 +73,41 @@ def pointer_cap(max_inline_bytes: int) -> int:
 _NOFOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def _open_fd(name: str, where: str, dir_fd: int | None = None) -> int:
-    """A no-follow descriptor of the regular file ``name`` (FileNotFoundError when absent)."""
+def sibling_target(name: str, dir_fd: int | None = None) -> str | None:
+    """The target of the symbolic link ``name`` if it is a *sibling link* (a
+    bare file name in the link's own directory, as Lightning's
+    ``save_last="link"`` makes: ``last.ckpt -> epoch=3-step=12.ckpt``), else
+    None (not a link, or a link with a ``/``, ``.`` or ``..`` in its target)."""
+    try:
+        target = os.readlink(name, dir_fd=dir_fd)
+    except OSError:
+        return None
+    if not target or target in (".", "..") or "/" in target or (os.sep != "/" and os.sep in target):
+        return None
+    return target
+
+
+def _open_fd(name: str, where: str, dir_fd: int | None = None, *, hop: bool = False) -> int:
+    """A no-follow descriptor of the regular file ``name`` (FileNotFoundError
+    when absent). With ``hop``, a sibling link (:func:`sibling_target`) is
+    followed one step, to a regular file opened no-follow in the same
+    directory; any other link is refused."""
     try:
         fd = os.open(name, _NOFOLLOW, dir_fd=dir_fd)
     except FileNotFoundError:
         raise FileNotFoundError(f"Checkpoint file not found: {where}") from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
+        if exc.errno != errno.ELOOP:
+            raise
+        target = sibling_target(name, dir_fd) if hop else None
+        if target is None:
             raise CorruptionError(
                 f"{where}: is a symbolic link; the plug-in never follows a link to a checkpoint file "
-                "(put the file itself there)"
+                "(put the file itself there; only a link to a file in the same directory, as "
+                "ModelCheckpoint(save_last='link') makes, is read)"
             ) from None
-        raise
+        sibling = target if dir_fd is not None else os.path.join(os.path.dirname(name), target)
+        return _open_fd(sibling, f"{where} -> {target}", dir_fd)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CorruptionError(f"{where}: not a regular file")
@@ -108,7 +130,7 @@ def open_checked(path: PATH, options: Mapping[str, Any] | None = None) -> Iterat
         with f:
             yield f
         return
-    with os.fdopen(_open_fd(local_path(p), local_path(p)), "rb") as lf:
+    with os.fdopen(_open_fd(local_path(p), local_path(p), hop=True), "rb") as lf:
         yield lf
 
 
@@ -276,8 +298,9 @@ def remove_own_file(path: PATH, mine: Callable[[BinaryIO, str], str | None],
                     options: Mapping[str, Any] | None = None) -> str | None:
     """Remove the file at ``path`` if ``mine(file, where)`` says this plug-in
     wrote it (returns None); else keep it and return why. A path with a ``..``
-    component, a link or a special file is never removed; a missing file is
-    nothing to do. Local files are judged and unlinked through one directory
+    component, a special file or a link is never removed -- except a sibling
+    link (:func:`sibling_target`) to a file ``mine`` accepts: the link is
+    removed, never its target; a missing file is nothing to do. Local files are judged and unlinked through one directory
     descriptor, and only if the name still names the file judged."""
     p = os.fspath(path)
     if ".." in re.split(r"[/\\]", p):
@@ -302,18 +325,27 @@ def remove_own_file(path: PATH, mine: Callable[[BinaryIO, str], str | None],
         return f"its directory cannot be opened without following a link ({exc.strerror})"
     try:
         try:
-            fd = _open_fd(name, lp, dir_fd=dfd)
+            link = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             return None
+        target = sibling_target(name, dfd) if stat.S_ISLNK(link.st_mode) else None
+        try:
+            fd = _open_fd(target if target is not None else name, lp, dir_fd=dfd)
+        except FileNotFoundError:
+            return None if target is None else f"it is a link to {target!r}, which is not there"
         except CorruptionError as exc:
             return str(exc).removeprefix(f"{lp}: ")
         judged = os.fstat(fd)
         with os.fdopen(fd, "rb") as f:
             why = mine(f, lp)
         if why is not None:
-            return why
+            return why if target is None else f"it is a link to {target!r}, which is {why}"
+        # a sibling link to a file of ours: the link goes, never its target
         now = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        if (now.st_dev, now.st_ino) != (judged.st_dev, judged.st_ino):
+        if target is not None:
+            if (now.st_dev, now.st_ino) != (link.st_dev, link.st_ino) or sibling_target(name, dfd) != target:
+                return "it was replaced while being checked"
+        elif (now.st_dev, now.st_ino) != (judged.st_dev, judged.st_ino):
             return "it was replaced while being checked"
         os.unlink(name, dir_fd=dfd)
         return None

@@ -68,8 +68,9 @@ def main() -> None:
     elif kill == "mid-component":
         copy = replicator.copy_save
 
-        def copy_save(local: Any, dur: Any, attempts: Any, ref: Any, on_component: Any = None) -> bool:
-            return copy(local, dur, attempts, ref, (lambda name: die()) if ref.step == kill_step else on_component)
+        def copy_save(local: Any, dur: Any, attempts: Any, ref: Any, on_component: Any = None, **kw: Any) -> bool:
+            return copy(local, dur, attempts, ref, (lambda name: die()) if ref.step == kill_step else on_component,
+                        **kw)
 
         replicator.copy_save = copy_save  # type: ignore[assignment]
 

@@ -126,9 +126,6 @@ class CheckpointStore:
         """Use :meth:`open` (this constructor takes the same choices as one
         :class:`OpenOptions`, for code that already holds a :class:`Backend`)."""
         o = options or OpenOptions()
-        if o.local_tier is not None and o.protocol_version == 3:
-            raise InvalidInputError("local_tier with protocol_version=3 (pieces) is not supported yet; "
-                                    "choose one of the two")
         identity, mode, resume_from, resume_verify = o.identity, o.mode, o.resume_from, o.resume_verify
         join_attempt, single_writer, lineage, protocol_version = o.join_attempt, o.single_writer, o.lineage, o.protocol_version
         retry, auth_policy, keyring = o.retry, o.auth_policy, o.keyring
@@ -179,18 +176,13 @@ class CheckpointStore:
 
         self._pieces: PieceWriter | None = None
         self._piece_timing = o.piece_timing
-        if self.mode == "w" and self._io.layout.pieces:
+        if self.mode == "w" and self._io.layout.pieces and self._tiers is None:  # tiered: the TierSet's
             assert self.attempt is not None
             self._pieces = PieceWriter(self._io, self.attempt.number, o.piece_timing)
             # the newest commit's pieces, known in memory: the first save skips them
             self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None)
 
     def _open_tiers(self, o: OpenOptions) -> TierSet:
-        if self._io.layout.pieces:
-            # replication copies a save's components; a version-3 save is pieces shared with older saves,
-            # which the replicator does not carry yet (core.pieces.pieces_lacking is the hook it will use)
-            raise InvalidInputError("local_tier with a protocol version 3 run (pieces) is not supported yet; "
-                                    "open it without local_tier, or keep the tiered run at version 2")
         if o.join_attempt is not None:
             raise InvalidInputError("local_tier with join_attempt (many ranks) is not supported yet; "
                                     "open the ranks without local_tier")
@@ -198,7 +190,8 @@ class CheckpointStore:
             raise InvalidInputError("local_keep, replicate_every and max_replication_lag must be at least 1")
         assert o.local_tier is not None
         return TierSet(o.local_tier, self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
-                       o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag)
+                       o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag,
+                       piece_timing=o.piece_timing)
 
     def _durable_step(self) -> int | None:
         try:

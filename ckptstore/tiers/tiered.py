@@ -24,6 +24,7 @@ from ..core.catalog import Catalog
 from ..core.collector import GcReport
 from ..core.fencing import AttemptLog, AttemptView
 from ..core.ledger import Ledger
+from ..core.pieces import PieceTiming, PieceWriter
 from ..core.reader import Reader
 from ..core.record_auth import RecordAuth
 from ..core.resume_point import resume_point
@@ -39,6 +40,7 @@ from ..errors import (
 from ..protocol import AttemptRecord, ComponentEntry, run_record_key
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
+from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
 from .replicator import ReplicationStatus, Replicator
 
@@ -59,6 +61,7 @@ class TierSet:
     def __init__(
         self, root: str | os.PathLike[str], durable_io: RunIO, durable_attempts: AttemptLog, ledger: Ledger,
         identity_digest: str, auth: RecordAuth, retry: RetryPolicy | None, *, keep: int, every: int, max_lag: int,
+        piece_timing: PieceTiming | None = None,
     ) -> None:
         self.durable_io = durable_io
         self.durable_attempts = durable_attempts
@@ -77,6 +80,12 @@ class TierSet:
         self._local_reasons: list[str] = []
         #: called with each component name the replicator copied (tests use it to kill at a chosen point)
         self.on_component: Callable[[str], None] | None = None
+        #: version 3 (pieces): the window and intent lifetime of both tiers' writers and gc
+        self.piece_timing = piece_timing or PieceTiming()
+        #: version 3: the local piece writer (local saves skip the pieces the local tier holds)
+        self.pieces: PieceWriter | None = None
+        #: version 3: the replicator's save intent in the durable tier
+        self.durable_intent: DurableIntent | None = None
 
     # ------------------------------------------------------------------ open
     def prepare(self, view: AttemptView) -> None:
@@ -106,10 +115,13 @@ class TierSet:
         start replicating (the resumed save first when only the local tier has it)."""
         self.attempt, self.writer_id = attempt, writer_id
         self.local.add_attempt(attempt)
+        if self.durable_io.layout.pieces:
+            self._start_pieces(attempt, resumed)
         self.replicator = Replicator(
             self.local.io, self.durable_io, self.durable_attempts, every=self.every, max_lag=self.max_lag,
             retry=self.retry, record=lambda k, p: self.record(k, p), after=self._retain,
             on_component=lambda n: self.on_component(n) if self.on_component is not None else None,
+            intent=self.durable_intent,
         )
         if resumed is not None and resumed.tier != "local":
             self.replicator.mark_durable(resumed)
@@ -124,6 +136,18 @@ class TierSet:
         self.record("resume-tier", self.resume_decision)
         if resumed is not None and resumed.tier == "local":
             self.replicator.submit(resumed, force=True)
+
+    def _start_pieces(self, attempt: AttemptRecord, resumed: SaveRef | None) -> None:
+        """Version 3: the local piece writer knows the resumed save's pieces when
+        the local tier holds it; the durable intent knows them when the durable
+        tier does (its standing intent is written now)."""
+        if self.pieces is not None:
+            self.pieces.close()
+        self.pieces = PieceWriter(self.local.io, attempt.number, self.piece_timing)
+        self.pieces.learn(resumed.record if resumed is not None and resumed.tier in ("local", "both") else None)
+        self.durable_intent = DurableIntent(self.durable_io, attempt.number, self.piece_timing)
+        if resumed is not None and resumed.tier in ("durable", "both"):
+            self.durable_intent.learn(resumed.record)
 
     def _steps_lost(self, resumed: SaveRef | None) -> int:
         """Steps between the newest save the ledger knows of and the resume point."""
@@ -142,6 +166,13 @@ class TierSet:
         """A new attempt registered by ``fall_back``: mirror it."""
         self.attempt = attempt
         self.local.add_attempt(attempt)
+        if self.pieces is not None:  # the new attempt's intents; nothing known (the resume point was given up)
+            self.pieces.close()
+            self.pieces = PieceWriter(self.local.io, attempt.number, self.piece_timing)
+            self.pieces.learn(None)
+        if self.durable_intent is not None:
+            self.durable_intent.attempt = attempt.number
+            self.durable_intent.forget()
 
     def record(self, kind: str, payload: Mapping[str, Any]) -> None:
         self.ledger.append(kind, payload, self.attempt.number if self.attempt else None)
@@ -149,7 +180,7 @@ class TierSet:
     # ------------------------------------------------------------------ save
     def stage(self, step: int, save_id: str) -> StagedSave:
         assert self.attempt is not None
-        return StagedSave(self.local.writer(self.attempt, self.writer_id), step, save_id)
+        return StagedSave(self.local.writer(self.attempt, self.writer_id, self.pieces), step, save_id)
 
     def publish(
         self, step: int, save_id: str, components: Mapping[str, ComponentEntry], *, metadata: Mapping[str, Any] | None,
@@ -157,7 +188,8 @@ class TierSet:
     ) -> SaveRef:
         """Publish locally (the local backend's atomic commit), queue for replication."""
         assert self.attempt is not None and self.replicator is not None
-        ref = publish(self.local.writer(self.attempt, self.writer_id), step, save_id, components, metadata=metadata,
+        ref = publish(self.local.writer(self.attempt, self.writer_id, self.pieces), step, save_id, components,
+                      metadata=metadata,
                       ranks=ranks, world_size=world_size, expect=expect)
         ref = replace(ref, tier="local")
         self.last_local = ref
@@ -175,7 +207,7 @@ class TierSet:
         return rep.is_durable(ref.save_id)
 
     def _retain(self, pending: int) -> None:
-        self.local.gc(keep_last=self.keep + pending)
+        self.local.gc(keep_last=self.keep + pending, timing=self.piece_timing)
 
     # ------------------------------------------------------------- selection
     def select(self, catalog: Catalog, deep: bool, explain: bool) -> Selection:
@@ -242,10 +274,13 @@ class TierSet:
         return True if self.replicator is None else self.replicator.flush(timeout)
 
     def gc(self, *, keep_last: int, dry_run: bool, deep: bool, grace_seconds: float) -> GcReport:
-        return self.local.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds)
+        return self.local.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds,
+                             timing=self.piece_timing)
 
     def close(self, flush_seconds: float) -> None:
         if self.replicator is not None:
             self.replicator.flush(flush_seconds)
             self.replicator.close()
+        if self.pieces is not None:
+            self.pieces.close()
         self.local.backend.close()

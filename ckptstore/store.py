@@ -447,10 +447,15 @@ class CheckpointStore:
         component verified, so a consumer that reaches the end of the iterator
         has seen only verified bytes; on a mismatch :class:`CorruptionError` is
         raised instead of the last chunk. Do not act on the data before the
-        iterator is exhausted.
+        iterator is exhausted. Tiered, for a save held by both tiers: when the
+        local copy fails part way, the stream goes on from the durable copy at
+        the same offset (that copy verified whole, and the bytes already handed
+        out checked against it; ``docs/tiers.md``).
         """
-        if self._tiers is not None and ref.tier != "durable":
-            return self._tiers_reader.iter_read(ref, name, chunk)  # streamed: no fallback once bytes flowed
+        if self._tiers is not None:  # held by both tiers: a failing local stream goes on from the durable copy
+            local = self._tiers_reader
+            return self._tiers.iter_read(ref, lambda: self._reader.iter_read(ref, name, chunk),
+                                         lambda: local.iter_read(ref, name, chunk))
         return self._reader.iter_read(ref, name, chunk)
 
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:

@@ -15,9 +15,11 @@ delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
+
+import blake3
 
 from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog
@@ -53,6 +55,48 @@ LOCAL_READ_FAILURES = (CorruptionError, NotFoundError, StoreUnavailableError, OS
 def _newer(a: SaveRef | None, b: SaveRef | None) -> bool:
     """``a`` is a newer save than ``b`` (by step, then attempt)."""
     return a is not None and (b is None or (a.step, a.attempt) > (b.step, b.attempt))
+
+
+def stream_with_fallback(local: Callable[[], Iterator[bytes]], durable: Callable[[], Iterator[bytes]]
+                         ) -> Iterator[bytes]:
+    """The chunks of ``local()``; when it fails with one of
+    :data:`LOCAL_READ_FAILURES` after ``n`` bytes were handed out, the rest of
+    ``durable()`` from offset ``n``. The durable stream is read from its start
+    and verified whole (its last chunk comes only after its digest matched), and
+    its first ``n`` bytes must hash the same as the local bytes already handed
+    out: if they do not, the consumer holds bad bytes and :class:`CorruptionError`
+    says to read the component again (the next read goes to the durable copy
+    only if the local copy is still bad: use ``latest_complete(deep=True)``)."""
+    sent = 0
+    seen = blake3.blake3()
+    try:
+        for block in local():
+            seen.update(block)
+            sent += len(block)
+            yield block
+        return
+    except LOCAL_READ_FAILURES as exc:
+        why = f"{type(exc).__name__}: {exc}"[:300]
+    prefix = blake3.blake3()
+    off = 0
+    for block in durable():
+        n = len(block)
+        if off < sent:
+            take = min(n, sent - off)
+            prefix.update(block[:take])
+            off += take
+            if off == sent and prefix.digest() != seen.digest():
+                raise CorruptionError(
+                    f"the local copy failed after {sent} bytes were handed out ({why}), and those bytes differ "
+                    "from the durable copy: discard what was read and read the component again")
+            if take == n:
+                continue
+            block = block[take:]
+        off += len(block)
+        yield block
+    if off < sent:  # the durable stream verified but is shorter than what the local one handed out
+        raise CorruptionError(f"the local copy handed out {sent} bytes, more than the durable copy holds ({off}); "
+                              "discard what was read")
 
 
 class TierSet:
@@ -265,6 +309,17 @@ class TierSet:
             return local()
         except LOCAL_READ_FAILURES:
             return durable()
+
+    def iter_read(self, ref: SaveRef, durable: Callable[[], Iterator[bytes]], local: Callable[[], Iterator[bytes]]
+                  ) -> Iterator[bytes]:
+        """Stream a component of ``ref``: from the local tier when it holds the
+        save, and for a save held by both tiers, on from the durable copy at the
+        same offset when the local stream fails part way (see :func:`stream_with_fallback`)."""
+        if ref.tier == "durable":
+            return durable()
+        if ref.tier == "local":
+            return local()
+        return stream_with_fallback(local, durable)
 
     # ------------------------------------------------------------ operations
     def status(self) -> ReplicationStatus | None:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +95,7 @@ def _copy_object(local: RunIO, durable: RunIO, key: str, entry: ComponentEntry, 
 
 def upload_components(local: RunIO, durable: RunIO, ref: SaveRef, names: Iterable[str] | None = None,
                       on_component: Callable[[str], None] | None = None, *,
-                      have: Collection[tuple[str, str]] | None = None) -> None:
+                      have: Collection[tuple[str, str]] | None = None, uploaded: Collection[str] = ()) -> None:
     """Copy the components ``names`` of ``ref`` (default: all of them) from the
     local tier into the durable save folder, up to :data:`UPLOAD_CONCURRENCY`
     objects at once, every byte read once and verified against the manifest
@@ -105,8 +105,10 @@ def upload_components(local: RunIO, durable: RunIO, ref: SaveRef, names: Iterabl
     copied as its pieces: only those not in ``have`` ((holder, digest) pairs
     the durable tier holds and a live intent protects; None: none) are
     uploaded, to the same piece keys, and every piece it names must then be
-    listed with its size. ``on_component`` is called with each name once its
-    bytes are all in, in name order. Creates no commit record: a multi-rank
+    listed with its size. ``uploaded``: names whose verified bytes are already
+    in the durable tier (:class:`EarlyUploads`): only their landing is checked.
+    ``on_component`` is called with each name once its bytes are all in, in
+    name order. Creates no commit record: a multi-rank
     save has each rank upload its own names, and the coordinator commits."""
     rec = ref.record
     chosen = sorted(rec.components) if names is None else sorted(names)
@@ -116,7 +118,8 @@ def upload_components(local: RunIO, durable: RunIO, ref: SaveRef, names: Iterabl
     for name in chosen:
         comp = rec.components[name]
         if comp.pieces is None:
-            jobs.append((name, [(component_key(local.run_id, rec.save_id, name), comp, f"local copy of {name!r}")]))
+            jobs.append((name, [] if name in uploaded else
+                         [(component_key(local.run_id, rec.save_id, name), comp, f"local copy of {name!r}")]))
             continue
         objs: list[tuple[str, ComponentEntry, str]] = []
         for p in comp.pieces:
@@ -182,7 +185,8 @@ def commit_durable(durable: RunIO, attempts: AttemptLog, ref: SaveRef, *, attemp
 
 
 def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
-              on_component: Callable[[str], None] | None = None, *, intent: DurableIntent | None = None) -> bool:
+              on_component: Callable[[str], None] | None = None, *, intent: DurableIntent | None = None,
+              early: Mapping[str, tuple[ComponentEntry, Future[None]]] | None = None) -> bool:
     """Make ``ref`` (a local publication) durable: the pre-commit fence (a
     fenced writer uploads nothing), :func:`upload_components`, then
     :func:`commit_durable`. A version-3 save first has ``intent`` (the
@@ -194,12 +198,23 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
     bytes. Raises :class:`SupersededError` when the durable fences refuse it,
     :class:`CorruptionError` when the local copy does not verify,
     :class:`CommitConflictError` when the durable tier holds another commit
-    of the same step and attempt, and the store's errors otherwise."""
+    of the same step and attempt, and the store's errors otherwise.
+    ``early``: uploads of components started while the save was still being
+    written locally (:class:`EarlyUploads`); those that succeeded with the
+    committed entry are not uploaded again."""
     rec = ref.record
     attempt = attempts.read(rec.attempt)
     attempts.check_not_superseded(attempt, rec.step, committed=False)
     if not rec.piece_refs():
-        upload_components(local, durable, ref, None, on_component)
+        done: set[str] = set()
+        for name, (entry, fut) in (early or {}).items():
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - uploaded again now, with its own errors
+                continue
+            if rec.components.get(name) == entry:
+                done.add(name)
+        upload_components(local, durable, ref, None, on_component, uploaded=done)
         return commit_durable(durable, attempts, ref, attempt=attempt)
     started = time.monotonic()
     guard = intent if intent is not None else DurableIntent(durable, rec.attempt, PieceTiming())
@@ -215,6 +230,55 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
     if intent is None:
         guard.close()
     return created
+
+
+class EarlyUploads:
+    """Components copied to the durable tier while their save is still being
+    written locally: each one as soon as its local ``put`` returned (read back
+    from the local tier and verified on the way, like every replicated byte),
+    so that a save is durable about one upload after its last component was
+    written, not after the whole local save and then the whole upload. Only
+    components, never a commit record: the durable commit still comes from
+    :func:`copy_save` after the local one, in commit order, between the
+    durable fences. Uploads of a save that is never replicated (aborted,
+    skipped, fenced) are left to the durable tier's gc (uncommitted, older than
+    the grace period)."""
+
+    #: saves whose uploads are remembered at most (older ones are forgotten)
+    KEEP = 4
+
+    def __init__(self, local: RunIO, durable: RunIO) -> None:
+        self.local, self.durable = local, durable
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._by_save: dict[str, dict[str, tuple[ComponentEntry, Future[None]]]] = {}
+
+    def start(self, save_id: str, entry: ComponentEntry) -> None:
+        """Begin copying component ``entry`` of ``save_id`` (committed locally's
+        bytes are what it verifies against; a pieced entry is left to :func:`copy_save`)."""
+        if entry.pieces is not None:
+            return
+        key = component_key(self.local.run_id, save_id, entry.name)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="ckptstore-early")
+            fut = self._pool.submit(_copy_object, self.local, self.durable, key, entry,
+                                    f"local copy of {entry.name!r}")
+            self._by_save.setdefault(save_id, {})[entry.name] = (entry, fut)
+            while len(self._by_save) > self.KEEP:
+                self._by_save.pop(next(iter(self._by_save)))
+
+    def take(self, save_id: str) -> dict[str, tuple[ComponentEntry, Future[None]]]:
+        """The uploads started for ``save_id`` (forgotten here)."""
+        with self._lock:
+            return self._by_save.pop(save_id, {})
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._by_save.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 #: ledger entries waiting for the durable tier, at most
@@ -246,8 +310,11 @@ class Replicator:
         after: Callable[[int], None] | None = None,
         on_component: Callable[[str], None] | None = None,
         intent: DurableIntent | None = None,
+        early: EarlyUploads | None = None,
     ) -> None:
         self.local, self.durable, self.attempts = local, durable, attempts
+        #: uploads of components begun before their save was committed locally
+        self.early = early
         #: version 3: the save intent that protects the durable pieces a replication reuses
         self.intent = intent
         self.every, self.max_lag, self.retry = every, max_lag, retry
@@ -318,6 +385,13 @@ class Replicator:
         with self._cond:
             return save_id in self._s.durable_ids
 
+    def takes_next(self) -> bool:
+        """Whether the next local save would be replicated at once: not fenced,
+        nothing waiting or being copied, and ``every`` picks it."""
+        with self._cond:
+            s = self._s
+            return not s.fenced and not s.queue and s.busy is None and s.seen % self.every == 0
+
     def is_queued(self, save_id: str) -> bool:
         with self._cond:
             busy = self._s.busy
@@ -353,6 +427,8 @@ class Replicator:
         self._send_outbox()  # last try; what the durable tier cannot take now is lost with the process
         if self.intent is not None and not self._thread.is_alive():
             self.intent.close()
+        if self.early is not None:
+            self.early.close()
 
     def queue_event(self, kind: str, payload: Mapping[str, Any]) -> None:
         """A ledger entry the durable tier could not take now: sent later by the replication thread."""
@@ -389,6 +465,7 @@ class Replicator:
 
     def _one(self, ref: SaveRef) -> None:
         failures = 0
+        early = self.early.take(ref.save_id) if self.early is not None else None
         while True:
             with self._cond:
                 if self._stop:
@@ -396,7 +473,8 @@ class Replicator:
             t0 = time.perf_counter()
             try:
                 created = copy_save(self.local, self.durable, self.attempts, ref, self._on_component,
-                                    intent=self.intent)
+                                    intent=self.intent, early=early)
+                early = None  # a retry uploads everything again
             except SupersededError as exc:
                 with self._cond:
                     self._s.fenced = True

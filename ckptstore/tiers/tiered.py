@@ -30,7 +30,7 @@ from ..core.pieces import PieceTiming, PieceWriter
 from ..core.reader import Reader
 from ..core.record_auth import RecordAuth
 from ..core.resume_point import resume_point
-from ..core.writer import StagedSave, publish
+from ..core.writer import StagedSave, WriterContext, publish
 from ..errors import (
     CkptStoreError,
     CorruptionError,
@@ -44,7 +44,7 @@ from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
 from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
-from .replicator import ReplicationStatus, Replicator
+from .replicator import EarlyUploads, ReplicationStatus, Replicator
 
 T = TypeVar("T")
 
@@ -99,6 +99,19 @@ def stream_with_fallback(local: Callable[[], Iterator[bytes]], durable: Callable
                               "discard what was read")
 
 
+class _EarlyStaged(StagedSave):
+    """A local save whose components :class:`EarlyUploads` copies as they land."""
+
+    def __init__(self, ctx: WriterContext, step: int, save_id: str, early: EarlyUploads) -> None:
+        super().__init__(ctx, step, save_id)
+        self.early = early
+
+    def put(self, name: str, data: Any) -> ComponentEntry:
+        entry = super().put(name, data)
+        self.early.start(self.save_id, entry)
+        return entry
+
+
 class TierSet:
     """The local tier, the replicator and the rules that join them to the durable store."""
 
@@ -130,6 +143,8 @@ class TierSet:
         self.pieces: PieceWriter | None = None
         #: version 3: the replicator's save intent in the durable tier
         self.durable_intent: DurableIntent | None = None
+        #: components copied to the durable tier while their save is still written locally
+        self.early = EarlyUploads(self.local.io, durable_io)
 
     # ------------------------------------------------------------------ open
     def prepare(self, view: AttemptView) -> None:
@@ -165,7 +180,7 @@ class TierSet:
             self.local.io, self.durable_io, self.durable_attempts, every=self.every, max_lag=self.max_lag,
             retry=self.retry, record=lambda k, p: self.record(k, p), after=self._retain,
             on_component=lambda n: self.on_component(n) if self.on_component is not None else None,
-            intent=self.durable_intent,
+            intent=self.durable_intent, early=self.early,
         )
         if resumed is not None and resumed.tier != "local":
             self.replicator.mark_durable(resumed)
@@ -223,8 +238,13 @@ class TierSet:
 
     # ------------------------------------------------------------------ save
     def stage(self, step: int, save_id: str) -> StagedSave:
-        assert self.attempt is not None
-        return StagedSave(self.local.writer(self.attempt, self.writer_id, self.pieces), step, save_id)
+        """A local save; when the replicator would take it at once, each
+        component is also copied to the durable tier as soon as it is written."""
+        assert self.attempt is not None and self.replicator is not None
+        ctx = self.local.writer(self.attempt, self.writer_id, self.pieces)
+        if self.pieces is None and self.replicator.takes_next():
+            return _EarlyStaged(ctx, step, save_id, self.early)
+        return StagedSave(ctx, step, save_id)
 
     def publish(
         self, step: int, save_id: str, components: Mapping[str, ComponentEntry], *, metadata: Mapping[str, Any] | None,

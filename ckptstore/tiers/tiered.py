@@ -118,7 +118,7 @@ class TierSet:
     def __init__(
         self, root: str | os.PathLike[str], durable_io: RunIO, durable_attempts: AttemptLog, ledger: Ledger,
         identity_digest: str, auth: RecordAuth, retry: RetryPolicy | None, *, keep: int, every: int, max_lag: int,
-        piece_timing: PieceTiming | None = None,
+        piece_timing: PieceTiming | None = None, early: bool = False,
     ) -> None:
         self.durable_io = durable_io
         self.durable_attempts = durable_attempts
@@ -144,7 +144,7 @@ class TierSet:
         #: version 3: the replicator's save intent in the durable tier
         self.durable_intent: DurableIntent | None = None
         #: components copied to the durable tier while their save is still written locally
-        self.early = EarlyUploads(self.local.io, durable_io)
+        self.early = EarlyUploads(self.local.io, durable_io) if early else None
 
     # ------------------------------------------------------------------ open
     def prepare(self, view: AttemptView) -> None:
@@ -242,7 +242,7 @@ class TierSet:
         component is also copied to the durable tier as soon as it is written."""
         assert self.attempt is not None and self.replicator is not None
         ctx = self.local.writer(self.attempt, self.writer_id, self.pieces)
-        if self.pieces is None and self.replicator.takes_next():
+        if self.early is not None and self.pieces is None and self.replicator.takes_next():
             return _EarlyStaged(ctx, step, save_id, self.early)
         return StagedSave(ctx, step, save_id)
 

@@ -105,6 +105,8 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
         print(f"# two tiers: {total / MiB:.0f} MiB in {PARTS} components, {a.stat} of {a.repeat}; durable = SeaweedFS")
         # ---- row 2: locally committed vs raw local write + fsync
         raw, local_commit, durable_t, plain_up = [], [], [], []
+        early_local: list[float] = []
+        early_durable: list[float] = []
         for _ in range(a.repeat):
             d = local_dir()
             t = time.perf_counter()
@@ -118,6 +120,16 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
             local_commit.append(time.perf_counter() - t)
             assert st.flush(600)
             durable_t.append(time.perf_counter() - t)
+            st.close()
+            # the same with early_replication: components uploaded as soon as their local write returned
+            _, b = s3()
+            st = CheckpointStore.open(b, "r", identity={"b": 1}, local_tier=local_dir(),  # type: ignore[arg-type]
+                                      early_replication=True)
+            t = time.perf_counter()
+            put_all(st, 1)
+            early_local.append(time.perf_counter() - t)
+            assert st.flush(600)
+            early_durable.append(time.perf_counter() - t)
             st.close()
             # plain upload of the same bytes with the same client
             _, b2 = s3()
@@ -136,6 +148,8 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
         row("2. committed locally (tiered save)", med(local_commit), "raw local write+fsync", med(raw), 1.15)
         row("2b. one-tier local store save (peer)", med(plain_local), "raw local write+fsync", med(raw))
         row("3. durable (save + replication)", med(durable_t), "plain upload, same client", med(plain_up), 1.15)
+        row("2c. committed locally, early_replication", med(early_local), "raw local write+fsync", med(raw), 1.15)
+        row("3b. durable, early_replication", med(early_durable), "plain upload, same client", med(plain_up), 1.15)
 
         # ---- row 4: restart from the local tier / durable tier vs the verified-restore floor
         url, b = s3()

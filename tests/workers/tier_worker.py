@@ -74,7 +74,8 @@ def main() -> None:
 
         replicator.copy_save = copy_save  # type: ignore[assignment]
 
-    store = CheckpointStore.open(durable, "run", identity={"model": "tiny"}, local_tier=cfg["local"], local_keep=10)
+    store = CheckpointStore.open(durable, "run", identity={"model": "tiny"}, local_tier=cfg["local"], local_keep=10,
+                                 protocol_version=cfg.get("protocol_version"))
     for step in range(cfg["steps"]):
         with store.save(step) as w:
             w.put("a", payload(step))

@@ -87,6 +87,8 @@ class OpenOptions:
     max_replication_lag: int = 2
     #: seconds ``close()`` waits for replication before it returns
     close_flush_seconds: float = 30.0
+    #: copy each component to the durable tier as soon as it is written locally (docs/tiers.md)
+    early_replication: bool = False
 
 
 class CheckpointStore:
@@ -126,9 +128,6 @@ class CheckpointStore:
         """Use :meth:`open` (this constructor takes the same choices as one
         :class:`OpenOptions`, for code that already holds a :class:`Backend`)."""
         o = options or OpenOptions()
-        if o.local_tier is not None and o.protocol_version == 3:
-            raise InvalidInputError("local_tier with protocol_version=3 (pieces) is not supported yet; "
-                                    "choose one of the two")
         identity, mode, resume_from, resume_verify = o.identity, o.mode, o.resume_from, o.resume_verify
         join_attempt, single_writer, lineage, protocol_version = o.join_attempt, o.single_writer, o.lineage, o.protocol_version
         retry, auth_policy, keyring = o.retry, o.auth_policy, o.keyring
@@ -179,18 +178,13 @@ class CheckpointStore:
 
         self._pieces: PieceWriter | None = None
         self._piece_timing = o.piece_timing
-        if self.mode == "w" and self._io.layout.pieces:
+        if self.mode == "w" and self._io.layout.pieces and self._tiers is None:  # tiered: the TierSet's
             assert self.attempt is not None
             self._pieces = PieceWriter(self._io, self.attempt.number, o.piece_timing)
             # the newest commit's pieces, known in memory: the first save skips them
             self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None)
 
     def _open_tiers(self, o: OpenOptions) -> TierSet:
-        if self._io.layout.pieces:
-            # replication copies a save's components; a version-3 save is pieces shared with older saves,
-            # which the replicator does not carry yet (core.pieces.pieces_lacking is the hook it will use)
-            raise InvalidInputError("local_tier with a protocol version 3 run (pieces) is not supported yet; "
-                                    "open it without local_tier, or keep the tiered run at version 2")
         if o.join_attempt is not None:
             raise InvalidInputError("local_tier with join_attempt (many ranks) is not supported yet; "
                                     "open the ranks without local_tier")
@@ -198,7 +192,8 @@ class CheckpointStore:
             raise InvalidInputError("local_keep, replicate_every and max_replication_lag must be at least 1")
         assert o.local_tier is not None
         return TierSet(o.local_tier, self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
-                       o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag)
+                       o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag,
+                       piece_timing=o.piece_timing, early=o.early_replication)
 
     def _durable_step(self) -> int | None:
         try:
@@ -232,6 +227,7 @@ class CheckpointStore:
         replicate_every: int = 1,
         max_replication_lag: int = 2,
         close_flush_seconds: float = 30.0,
+        early_replication: bool = False,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -278,7 +274,10 @@ class CheckpointStore:
         the one source of truth for identity, attempts and fencing; each save is committed in the
         local directory first (same save ID, same manifest digest) and made durable by a background
         thread (every ``replicate_every``-th save; at most ``max_replication_lag`` waiting, the newest
-        wins). The local tier keeps ``local_keep`` saves. Selection and the resume point take the newest
+        wins). The local tier keeps ``local_keep`` saves. ``early_replication``: each component is
+        copied to the durable tier as soon as its local write returns, not after the local commit
+        (durable sooner, at the cost of local-save speed when the two compete for cores or disk).
+        Selection and the resume point take the newest
         save complete in either tier; a local copy is used only when its attempt counts in the durable
         records and it verifies, else the durable copy, else an older save (``resume-tier`` event).
         """
@@ -291,7 +290,7 @@ class CheckpointStore:
             auth_policy=auth_policy, keyring=keyring, protocol_version=protocol_version,
             local_tier=local_tier, local_keep=local_keep, replicate_every=replicate_every,
             max_replication_lag=max_replication_lag, close_flush_seconds=close_flush_seconds,
-            piece_timing=piece_timing or PieceTiming(),
+            piece_timing=piece_timing or PieceTiming(), early_replication=early_replication,
         ))
 
     @property
@@ -454,10 +453,15 @@ class CheckpointStore:
         component verified, so a consumer that reaches the end of the iterator
         has seen only verified bytes; on a mismatch :class:`CorruptionError` is
         raised instead of the last chunk. Do not act on the data before the
-        iterator is exhausted.
+        iterator is exhausted. Tiered, for a save held by both tiers: when the
+        local copy fails part way, the stream goes on from the durable copy at
+        the same offset (that copy verified whole, and the bytes already handed
+        out checked against it; ``docs/tiers.md``).
         """
-        if self._tiers is not None and ref.tier != "durable":
-            return self._tiers_reader.iter_read(ref, name, chunk)  # streamed: no fallback once bytes flowed
+        if self._tiers is not None:  # held by both tiers: a failing local stream goes on from the durable copy
+            local = self._tiers_reader
+            return self._tiers.iter_read(ref, lambda: self._reader.iter_read(ref, name, chunk),
+                                         lambda: local.iter_read(ref, name, chunk))
         return self._reader.iter_read(ref, name, chunk)
 
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:

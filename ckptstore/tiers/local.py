@@ -23,6 +23,7 @@ from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog
 from ..core.collector import GcReport, collect
 from ..core.fencing import AttemptLog, AttemptView
+from ..core.pieces import PieceTiming, PieceWriter
 from ..core.record_auth import RecordAuth
 from ..core.writer import WriterContext
 from ..errors import CkptStoreError, CorruptionError, NotFoundError, StoreUnavailableError
@@ -106,9 +107,10 @@ class LocalTier:
             self._quarantine(f"its attempt record {rec.number} differs from the durable one")
             self._copy(attempt_key(self.run_id, rec.number), rec.encode(), "attempt record copy")
 
-    def writer(self, attempt: AttemptRecord, writer_id: str) -> WriterContext:
-        """The context of a local publication (fences against the local mirror)."""
-        return WriterContext(self.io, self.attempts, attempt, writer_id, self.identity_digest, self.auth)
+    def writer(self, attempt: AttemptRecord, writer_id: str, pieces: PieceWriter | None = None) -> WriterContext:
+        """The context of a local publication (fences against the local mirror;
+        ``pieces``: a version-3 run's local piece writer)."""
+        return WriterContext(self.io, self.attempts, attempt, writer_id, self.identity_digest, self.auth, pieces)
 
     # ------------------------------------------------------------- selection
     def select(self, deep: bool, view: AttemptView | None, durable: SaveRef | None, *, own: bool = False
@@ -162,8 +164,9 @@ class LocalTier:
 
     # -------------------------------------------------------------------- gc
     def gc(self, *, keep_last: int, dry_run: bool = False, deep: bool = False,
-           grace_seconds: float = 3600.0) -> GcReport:
+           grace_seconds: float = 3600.0, timing: PieceTiming | None = None) -> GcReport:
         """Garbage collection of the local tier alone (judged by the local
-        attempt mirror: the durable tier is neither read nor touched)."""
+        attempt mirror: the durable tier is neither read nor touched; a
+        version-3 run's local pieces swept by the §9.5 rule with ``timing``)."""
         return collect(self.own_catalog, keep_last=keep_last, keep_every=None, grace_seconds=grace_seconds,
-                       dry_run=dry_run, deep=deep)
+                       dry_run=dry_run, deep=deep, timing=timing)

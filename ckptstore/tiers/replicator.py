@@ -17,12 +17,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.bounded_io import RunIO
 from ..core.fencing import AttemptLog
+from ..core.pieces import PieceTiming, check_pieces
 from ..errors import (
     CkptStoreError,
     CommitConflictError,
@@ -30,10 +32,12 @@ from ..errors import (
     NotFoundError,
     SupersededError,
 )
-from ..protocol import component_key, save_prefix
+from ..protocol import AttemptRecord, ComponentEntry, component_key, save_prefix
+from ..protocol.layout import piece_key
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
 from ..util.redact import redact_text
+from .durable_intent import DurableIntent
 
 
 @dataclass(frozen=True)
@@ -76,42 +80,99 @@ class ReplicationStatus:
         }
 
 
+#: Objects (components, pieces) one replication uploads at the same time.
+UPLOAD_CONCURRENCY = 4
+
+
+def _copy_object(local: RunIO, durable: RunIO, key: str, entry: ComponentEntry, label: str) -> None:
+    """Stream one object from the local tier to the same key in the durable
+    tier: one read of the local bytes, verified on the way (the last chunk is
+    handed to the upload only after the whole object matched ``entry``, so a
+    corrupt local copy makes the upload fail and nothing lands). A transient
+    upload failure is retried with a fresh read."""
+    durable.retry.call(lambda: durable.backend.put(key, local.verified_chunks(key, entry, label)))
+
+
 def upload_components(local: RunIO, durable: RunIO, ref: SaveRef, names: Iterable[str] | None = None,
-                      on_component: Callable[[str], None] | None = None) -> None:
+                      on_component: Callable[[str], None] | None = None, *,
+                      have: Collection[tuple[str, str]] | None = None, uploaded: Collection[str] = ()) -> None:
     """Copy the components ``names`` of ``ref`` (default: all of them) from the
-    local tier into the durable save folder, every chunk verified against the
-    manifest on the way (:class:`CorruptionError` when the local copy does not
-    verify), then check that each landed intact in the durable listing
-    (:class:`NotFoundError` otherwise). Creates no commit record: a multi-rank
+    local tier into the durable save folder, up to :data:`UPLOAD_CONCURRENCY`
+    objects at once, every byte read once and verified against the manifest
+    on the way (:class:`CorruptionError` when the local copy does not verify),
+    then check that each landed intact in the durable listing
+    (:class:`NotFoundError` otherwise). A pieced component (version 3) is
+    copied as its pieces: only those not in ``have`` ((holder, digest) pairs
+    the durable tier holds and a live intent protects; None: none) are
+    uploaded, to the same piece keys, and every piece it names must then be
+    listed with its size. ``uploaded``: names whose verified bytes are already
+    in the durable tier (:class:`EarlyUploads`): only their landing is checked.
+    ``on_component`` is called with each name once its bytes are all in, in
+    name order. Creates no commit record: a multi-rank
     save has each rank upload its own names, and the coordinator commits."""
     rec = ref.record
     chosen = sorted(rec.components) if names is None else sorted(names)
+    skip = set(have or ())
+    jobs: list[tuple[str, list[tuple[str, ComponentEntry, str]]]] = []
+    queued: set[tuple[str, str]] = set()
     for name in chosen:
         comp = rec.components[name]
-        ckey = component_key(local.run_id, rec.save_id, name)
-        size, digest = durable.put_hashed(ckey, local.verified_chunks(ckey, comp, f"local copy of {name!r}"))
-        if (size, digest) != (comp.size, comp.blake3):
-            raise CorruptionError(f"replica of {name!r} of step {rec.step} does not match the manifest")
-        if on_component is not None:
+        if comp.pieces is None:
+            jobs.append((name, [] if name in uploaded else
+                         [(component_key(local.run_id, rec.save_id, name), comp, f"local copy of {name!r}")]))
+            continue
+        objs: list[tuple[str, ComponentEntry, str]] = []
+        for p in comp.pieces:
+            hd = (p.holder, p.digest)
+            if hd in skip or hd in queued:
+                continue
+            queued.add(hd)
+            objs.append((piece_key(local.run_id, p.holder, p.digest), ComponentEntry(p.digest, p.size, p.digest),
+                         f"local copy of {name!r}, piece {p.digest[:16]}"))
+        jobs.append((name, objs))
+    flat = [o for _, objs in jobs for o in objs]
+    if flat:
+        pool = ThreadPoolExecutor(max(1, min(UPLOAD_CONCURRENCY, len(flat))), thread_name_prefix="ckptstore-repl")
+        try:
+            futures = {o[0]: pool.submit(_copy_object, local, durable, *o) for o in flat}
+            for name, objs in jobs:
+                for key, _, _ in objs:
+                    futures[key].result()
+                if on_component is not None:
+                    on_component(name)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    elif on_component is not None:
+        for name, _ in jobs:
             on_component(name)
-    prefix = save_prefix(durable.run_id, rec.save_id)
-    listed = {o.key[len(prefix):]: o.size for o in durable.list(prefix)}
-    for name in chosen:
-        if listed.get(name) != rec.components[name].size:
-            raise NotFoundError(f"{durable.where(prefix + name)}: replicated component did not land intact")
+    plain = [n for n in chosen if rec.components[n].pieces is None]
+    if plain:
+        prefix = save_prefix(durable.run_id, rec.save_id)
+        listed = {o.key[len(prefix):]: o.size for o in durable.list(prefix)}
+        for name in plain:
+            if listed.get(name) != rec.components[name].size:
+                raise NotFoundError(f"{durable.where(prefix + name)}: replicated component did not land intact")
+    pieced = [rec.components[n] for n in chosen if rec.components[n].pieces is not None]
+    problems = check_pieces(durable, pieced, None, deep=False)
+    if problems:
+        raise NotFoundError(f"{durable.where(save_prefix(durable.run_id, rec.save_id))}: {problems[0][1]} in the "
+                            f"durable tier after replication" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
 
-def commit_durable(durable: RunIO, attempts: AttemptLog, ref: SaveRef) -> bool:
+def commit_durable(durable: RunIO, attempts: AttemptLog, ref: SaveRef, *, attempt: AttemptRecord | None = None
+                   ) -> bool:
     """Create the durable commit record of ``ref`` (every component already
     uploaded and checked): the *same bytes* as the local one, between the
     durable pre- and post-commit fences. True when this call created it, False
     when it was already there with the same bytes; :class:`SupersededError`
     when the fences refuse it, :class:`CommitConflictError` when the durable
-    tier holds another commit of the same step and attempt."""
+    tier holds another commit of the same step and attempt. ``attempt``: the
+    save's attempt record when the caller already read it."""
     rec = ref.record
     data = rec.encode()  # the canonical bytes: the same manifest digest in both tiers
     key = durable.layout.commit_key(durable.run_id, rec.step, rec.attempt)
-    attempt = attempts.read(rec.attempt)
+    if attempt is None:
+        attempt = attempts.read(rec.attempt)
     attempts.check_not_superseded(attempt, rec.step, committed=False)
     created = durable.create(key, data, what="commit record")
     if not created:
@@ -124,19 +185,100 @@ def commit_durable(durable: RunIO, attempts: AttemptLog, ref: SaveRef) -> bool:
 
 
 def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
-              on_component: Callable[[str], None] | None = None) -> bool:
+              on_component: Callable[[str], None] | None = None, *, intent: DurableIntent | None = None,
+              early: Mapping[str, tuple[ComponentEntry, Future[None]]] | None = None) -> bool:
     """Make ``ref`` (a local publication) durable: the pre-commit fence (a
     fenced writer uploads nothing), :func:`upload_components`, then
-    :func:`commit_durable`. True when this call created the durable commit
-    record, False when it was already there with the same bytes. Raises
-    :class:`SupersededError` when the durable fences refuse it,
+    :func:`commit_durable`. A version-3 save first has ``intent`` (the
+    replicator's save intent in the durable tier; a fresh one when None)
+    protect the durable pieces it reuses, uploads only the pieces the durable
+    tier lacks, and is committed only while that intent is live and after
+    every piece it names was listed there. True when this call created the
+    durable commit record, False when it was already there with the same
+    bytes. Raises :class:`SupersededError` when the durable fences refuse it,
     :class:`CorruptionError` when the local copy does not verify,
     :class:`CommitConflictError` when the durable tier holds another commit
-    of the same step and attempt, and the store's errors otherwise."""
+    of the same step and attempt, and the store's errors otherwise.
+    ``early``: uploads of components started while the save was still being
+    written locally (:class:`EarlyUploads`); those that succeeded with the
+    committed entry are not uploaded again."""
     rec = ref.record
-    attempts.check_not_superseded(attempts.read(rec.attempt), rec.step, committed=False)
-    upload_components(local, durable, ref, None, on_component)
-    return commit_durable(durable, attempts, ref)
+    attempt = attempts.read(rec.attempt)
+    attempts.check_not_superseded(attempt, rec.step, committed=False)
+    if not rec.piece_refs():
+        done: set[str] = set()
+        for name, (entry, fut) in (early or {}).items():
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - uploaded again now, with its own errors
+                continue
+            if rec.components.get(name) == entry:
+                done.add(name)
+        upload_components(local, durable, ref, None, on_component, uploaded=done)
+        return commit_durable(durable, attempts, ref, attempt=attempt)
+    started = time.monotonic()
+    guard = intent if intent is not None else DurableIntent(durable, rec.attempt, PieceTiming())
+    try:
+        have = guard.protect(rec)
+        upload_components(local, durable, ref, None, on_component, have=have)
+        guard.check_live(rec, started)
+        created = commit_durable(durable, attempts, ref, attempt=attempt)
+    except BaseException:
+        guard.forget()
+        raise
+    guard.learn(rec)  # the next replication skips these pieces; its intent is written now
+    if intent is None:
+        guard.close()
+    return created
+
+
+class EarlyUploads:
+    """Components copied to the durable tier while their save is still being
+    written locally: each one as soon as its local ``put`` returned (read back
+    from the local tier and verified on the way, like every replicated byte),
+    so that a save is durable about one upload after its last component was
+    written, not after the whole local save and then the whole upload. Only
+    components, never a commit record: the durable commit still comes from
+    :func:`copy_save` after the local one, in commit order, between the
+    durable fences. Uploads of a save that is never replicated (aborted,
+    skipped, fenced) are left to the durable tier's gc (uncommitted, older than
+    the grace period)."""
+
+    #: saves whose uploads are remembered at most (older ones are forgotten)
+    KEEP = 4
+
+    def __init__(self, local: RunIO, durable: RunIO) -> None:
+        self.local, self.durable = local, durable
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._by_save: dict[str, dict[str, tuple[ComponentEntry, Future[None]]]] = {}
+
+    def start(self, save_id: str, entry: ComponentEntry) -> None:
+        """Begin copying component ``entry`` of ``save_id`` (committed locally's
+        bytes are what it verifies against; a pieced entry is left to :func:`copy_save`)."""
+        if entry.pieces is not None:
+            return
+        key = component_key(self.local.run_id, save_id, entry.name)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="ckptstore-early")
+            fut = self._pool.submit(_copy_object, self.local, self.durable, key, entry,
+                                    f"local copy of {entry.name!r}")
+            self._by_save.setdefault(save_id, {})[entry.name] = (entry, fut)
+            while len(self._by_save) > self.KEEP:
+                self._by_save.pop(next(iter(self._by_save)))
+
+    def take(self, save_id: str) -> dict[str, tuple[ComponentEntry, Future[None]]]:
+        """The uploads started for ``save_id`` (forgotten here)."""
+        with self._lock:
+            return self._by_save.pop(save_id, {})
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._by_save.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 #: ledger entries waiting for the durable tier, at most
@@ -167,8 +309,14 @@ class Replicator:
         retry: RetryPolicy, record: Callable[[str, Mapping[str, Any]], None],
         after: Callable[[int], None] | None = None,
         on_component: Callable[[str], None] | None = None,
+        intent: DurableIntent | None = None,
+        early: EarlyUploads | None = None,
     ) -> None:
         self.local, self.durable, self.attempts = local, durable, attempts
+        #: uploads of components begun before their save was committed locally
+        self.early = early
+        #: version 3: the save intent that protects the durable pieces a replication reuses
+        self.intent = intent
         self.every, self.max_lag, self.retry = every, max_lag, retry
         self._record, self._after, self._on_component = record, after, on_component
         self._s = _State()
@@ -237,6 +385,13 @@ class Replicator:
         with self._cond:
             return save_id in self._s.durable_ids
 
+    def takes_next(self) -> bool:
+        """Whether the next local save would be replicated at once: not fenced,
+        nothing waiting or being copied, and ``every`` picks it."""
+        with self._cond:
+            s = self._s
+            return not s.fenced and not s.queue and s.busy is None and s.seen % self.every == 0
+
     def is_queued(self, save_id: str) -> bool:
         with self._cond:
             busy = self._s.busy
@@ -270,6 +425,10 @@ class Replicator:
             self._cond.notify_all()
         self._thread.join(timeout=30)
         self._send_outbox()  # last try; what the durable tier cannot take now is lost with the process
+        if self.intent is not None and not self._thread.is_alive():
+            self.intent.close()
+        if self.early is not None:
+            self.early.close()
 
     def queue_event(self, kind: str, payload: Mapping[str, Any]) -> None:
         """A ledger entry the durable tier could not take now: sent later by the replication thread."""
@@ -306,13 +465,16 @@ class Replicator:
 
     def _one(self, ref: SaveRef) -> None:
         failures = 0
+        early = self.early.take(ref.save_id) if self.early is not None else None
         while True:
             with self._cond:
                 if self._stop:
                     return
             t0 = time.perf_counter()
             try:
-                created = copy_save(self.local, self.durable, self.attempts, ref, self._on_component)
+                created = copy_save(self.local, self.durable, self.attempts, ref, self._on_component,
+                                    intent=self.intent, early=early)
+                early = None  # a retry uploads everything again
             except SupersededError as exc:
                 with self._cond:
                     self._s.fenced = True

@@ -15,19 +15,22 @@ delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
+
+import blake3
 
 from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog
 from ..core.collector import GcReport
 from ..core.fencing import AttemptLog, AttemptView
 from ..core.ledger import Ledger
+from ..core.pieces import PieceTiming, PieceWriter
 from ..core.reader import Reader
 from ..core.record_auth import RecordAuth
 from ..core.resume_point import resume_point
-from ..core.writer import StagedSave, publish
+from ..core.writer import StagedSave, WriterContext, publish
 from ..errors import (
     CkptStoreError,
     CorruptionError,
@@ -39,8 +42,9 @@ from ..errors import (
 from ..protocol import AttemptRecord, ComponentEntry, run_record_key
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
+from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
-from .replicator import ReplicationStatus, Replicator
+from .replicator import EarlyUploads, ReplicationStatus, Replicator
 
 T = TypeVar("T")
 
@@ -53,12 +57,68 @@ def _newer(a: SaveRef | None, b: SaveRef | None) -> bool:
     return a is not None and (b is None or (a.step, a.attempt) > (b.step, b.attempt))
 
 
+def stream_with_fallback(local: Callable[[], Iterator[bytes]], durable: Callable[[], Iterator[bytes]]
+                         ) -> Iterator[bytes]:
+    """The chunks of ``local()``; when it fails with one of
+    :data:`LOCAL_READ_FAILURES` after ``n`` bytes were handed out, the rest of
+    ``durable()`` from offset ``n``. The durable stream is read from its start
+    and verified whole (its last chunk comes only after its digest matched), and
+    its first ``n`` bytes must hash the same as the local bytes already handed
+    out: if they do not, the consumer holds bad bytes and :class:`CorruptionError`
+    says to read the component again (the next read goes to the durable copy
+    only if the local copy is still bad: use ``latest_complete(deep=True)``)."""
+    sent = 0
+    seen = blake3.blake3()
+    try:
+        for block in local():
+            seen.update(block)
+            sent += len(block)
+            yield block
+        return
+    except LOCAL_READ_FAILURES as exc:
+        why = f"{type(exc).__name__}: {exc}"[:300]
+    prefix = blake3.blake3()
+    off = 0
+    for block in durable():
+        n = len(block)
+        if off < sent:
+            take = min(n, sent - off)
+            prefix.update(block[:take])
+            off += take
+            if off == sent and prefix.digest() != seen.digest():
+                raise CorruptionError(
+                    f"the local copy failed after {sent} bytes were handed out ({why}), and those bytes differ "
+                    "from the durable copy: discard what was read and read the component again")
+            if take == n:
+                continue
+            block = block[take:]
+        off += len(block)
+        yield block
+    if off < sent:  # the durable stream verified but is shorter than what the local one handed out
+        raise CorruptionError(f"the local copy handed out {sent} bytes, more than the durable copy holds ({off}); "
+                              "discard what was read")
+
+
+class _EarlyStaged(StagedSave):
+    """A local save whose components :class:`EarlyUploads` copies as they land."""
+
+    def __init__(self, ctx: WriterContext, step: int, save_id: str, early: EarlyUploads) -> None:
+        super().__init__(ctx, step, save_id)
+        self.early = early
+
+    def put(self, name: str, data: Any) -> ComponentEntry:
+        entry = super().put(name, data)
+        self.early.start(self.save_id, entry)
+        return entry
+
+
 class TierSet:
     """The local tier, the replicator and the rules that join them to the durable store."""
 
     def __init__(
         self, root: str | os.PathLike[str], durable_io: RunIO, durable_attempts: AttemptLog, ledger: Ledger,
         identity_digest: str, auth: RecordAuth, retry: RetryPolicy | None, *, keep: int, every: int, max_lag: int,
+        piece_timing: PieceTiming | None = None, early: bool = False,
     ) -> None:
         self.durable_io = durable_io
         self.durable_attempts = durable_attempts
@@ -77,6 +137,14 @@ class TierSet:
         self._local_reasons: list[str] = []
         #: called with each component name the replicator copied (tests use it to kill at a chosen point)
         self.on_component: Callable[[str], None] | None = None
+        #: version 3 (pieces): the window and intent lifetime of both tiers' writers and gc
+        self.piece_timing = piece_timing or PieceTiming()
+        #: version 3: the local piece writer (local saves skip the pieces the local tier holds)
+        self.pieces: PieceWriter | None = None
+        #: version 3: the replicator's save intent in the durable tier
+        self.durable_intent: DurableIntent | None = None
+        #: components copied to the durable tier while their save is still written locally
+        self.early = EarlyUploads(self.local.io, durable_io) if early else None
 
     # ------------------------------------------------------------------ open
     def prepare(self, view: AttemptView) -> None:
@@ -106,10 +174,13 @@ class TierSet:
         start replicating (the resumed save first when only the local tier has it)."""
         self.attempt, self.writer_id = attempt, writer_id
         self.local.add_attempt(attempt)
+        if self.durable_io.layout.pieces:
+            self._start_pieces(attempt, resumed)
         self.replicator = Replicator(
             self.local.io, self.durable_io, self.durable_attempts, every=self.every, max_lag=self.max_lag,
             retry=self.retry, record=lambda k, p: self.record(k, p), after=self._retain,
             on_component=lambda n: self.on_component(n) if self.on_component is not None else None,
+            intent=self.durable_intent, early=self.early,
         )
         if resumed is not None and resumed.tier != "local":
             self.replicator.mark_durable(resumed)
@@ -124,6 +195,18 @@ class TierSet:
         self.record("resume-tier", self.resume_decision)
         if resumed is not None and resumed.tier == "local":
             self.replicator.submit(resumed, force=True)
+
+    def _start_pieces(self, attempt: AttemptRecord, resumed: SaveRef | None) -> None:
+        """Version 3: the local piece writer knows the resumed save's pieces when
+        the local tier holds it; the durable intent knows them when the durable
+        tier does (its standing intent is written now)."""
+        if self.pieces is not None:
+            self.pieces.close()
+        self.pieces = PieceWriter(self.local.io, attempt.number, self.piece_timing)
+        self.pieces.learn(resumed.record if resumed is not None and resumed.tier in ("local", "both") else None)
+        self.durable_intent = DurableIntent(self.durable_io, attempt.number, self.piece_timing)
+        if resumed is not None and resumed.tier in ("durable", "both"):
+            self.durable_intent.learn(resumed.record)
 
     def _steps_lost(self, resumed: SaveRef | None) -> int:
         """Steps between the newest save the ledger knows of and the resume point."""
@@ -142,14 +225,26 @@ class TierSet:
         """A new attempt registered by ``fall_back``: mirror it."""
         self.attempt = attempt
         self.local.add_attempt(attempt)
+        if self.pieces is not None:  # the new attempt's intents; nothing known (the resume point was given up)
+            self.pieces.close()
+            self.pieces = PieceWriter(self.local.io, attempt.number, self.piece_timing)
+            self.pieces.learn(None)
+        if self.durable_intent is not None:
+            self.durable_intent.attempt = attempt.number
+            self.durable_intent.forget()
 
     def record(self, kind: str, payload: Mapping[str, Any]) -> None:
         self.ledger.append(kind, payload, self.attempt.number if self.attempt else None)
 
     # ------------------------------------------------------------------ save
     def stage(self, step: int, save_id: str) -> StagedSave:
-        assert self.attempt is not None
-        return StagedSave(self.local.writer(self.attempt, self.writer_id), step, save_id)
+        """A local save; when the replicator would take it at once, each
+        component is also copied to the durable tier as soon as it is written."""
+        assert self.attempt is not None and self.replicator is not None
+        ctx = self.local.writer(self.attempt, self.writer_id, self.pieces)
+        if self.early is not None and self.pieces is None and self.replicator.takes_next():
+            return _EarlyStaged(ctx, step, save_id, self.early)
+        return StagedSave(ctx, step, save_id)
 
     def publish(
         self, step: int, save_id: str, components: Mapping[str, ComponentEntry], *, metadata: Mapping[str, Any] | None,
@@ -157,7 +252,8 @@ class TierSet:
     ) -> SaveRef:
         """Publish locally (the local backend's atomic commit), queue for replication."""
         assert self.attempt is not None and self.replicator is not None
-        ref = publish(self.local.writer(self.attempt, self.writer_id), step, save_id, components, metadata=metadata,
+        ref = publish(self.local.writer(self.attempt, self.writer_id, self.pieces), step, save_id, components,
+                      metadata=metadata,
                       ranks=ranks, world_size=world_size, expect=expect)
         ref = replace(ref, tier="local")
         self.last_local = ref
@@ -175,7 +271,7 @@ class TierSet:
         return rep.is_durable(ref.save_id)
 
     def _retain(self, pending: int) -> None:
-        self.local.gc(keep_last=self.keep + pending)
+        self.local.gc(keep_last=self.keep + pending, timing=self.piece_timing)
 
     # ------------------------------------------------------------- selection
     def select(self, catalog: Catalog, deep: bool, explain: bool) -> Selection:
@@ -234,6 +330,17 @@ class TierSet:
         except LOCAL_READ_FAILURES:
             return durable()
 
+    def iter_read(self, ref: SaveRef, durable: Callable[[], Iterator[bytes]], local: Callable[[], Iterator[bytes]]
+                  ) -> Iterator[bytes]:
+        """Stream a component of ``ref``: from the local tier when it holds the
+        save, and for a save held by both tiers, on from the durable copy at the
+        same offset when the local stream fails part way (see :func:`stream_with_fallback`)."""
+        if ref.tier == "durable":
+            return durable()
+        if ref.tier == "local":
+            return local()
+        return stream_with_fallback(local, durable)
+
     # ------------------------------------------------------------ operations
     def status(self) -> ReplicationStatus | None:
         return self.replicator.status() if self.replicator is not None else None
@@ -242,10 +349,13 @@ class TierSet:
         return True if self.replicator is None else self.replicator.flush(timeout)
 
     def gc(self, *, keep_last: int, dry_run: bool, deep: bool, grace_seconds: float) -> GcReport:
-        return self.local.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds)
+        return self.local.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds,
+                             timing=self.piece_timing)
 
     def close(self, flush_seconds: float) -> None:
         if self.replicator is not None:
             self.replicator.flush(flush_seconds)
             self.replicator.close()
+        if self.pieces is not None:
+            self.pieces.close()
         self.local.backend.close()

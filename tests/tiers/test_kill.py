@@ -46,12 +46,15 @@ def open_durable(url: str, opts: dict) -> Backend:  # type: ignore[type-arg]
     return backend_from_url(url, storage_options=opts or None)
 
 
+@pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("kill", sorted(CASES))
 def test_sigkill_during_either_publication(backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest,
-                                           kill: str) -> None:
+                                           kill: str, version: int) -> None:
+    """Version 3: the same with saves stored as pieces (replication uploads pieces)."""
     url, opts = durable_location(backend_kind, tmp_path, request)
     local = tmp_path / "nvme"
-    cfg = {"url": url, "options": opts, "local": str(local), "steps": 4, "kill_step": 2, "kill": kill}
+    cfg = {"url": url, "options": opts, "local": str(local), "steps": 4, "kill_step": 2, "kill": kill,
+           "protocol_version": version}
     p = subprocess.run([sys.executable, WORKER, json.dumps(cfg)], capture_output=True, text=True, timeout=120,
                        cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert p.returncode == -9, p.stderr[-3000:]

@@ -68,12 +68,14 @@ def main() -> None:
     elif kill == "mid-component":
         copy = replicator.copy_save
 
-        def copy_save(local: Any, dur: Any, attempts: Any, ref: Any, on_component: Any = None) -> bool:
-            return copy(local, dur, attempts, ref, (lambda name: die()) if ref.step == kill_step else on_component)
+        def copy_save(local: Any, dur: Any, attempts: Any, ref: Any, on_component: Any = None, **kw: Any) -> bool:
+            return copy(local, dur, attempts, ref, (lambda name: die()) if ref.step == kill_step else on_component,
+                        **kw)
 
         replicator.copy_save = copy_save  # type: ignore[assignment]
 
-    store = CheckpointStore.open(durable, "run", identity={"model": "tiny"}, local_tier=cfg["local"], local_keep=10)
+    store = CheckpointStore.open(durable, "run", identity={"model": "tiny"}, local_tier=cfg["local"], local_keep=10,
+                                 protocol_version=cfg.get("protocol_version"))
     for step in range(cfg["steps"]):
         with store.save(step) as w:
             w.put("a", payload(step))

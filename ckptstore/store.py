@@ -87,6 +87,11 @@ class OpenOptions:
     max_replication_lag: int = 2
     #: seconds ``close()`` waits for replication before it returns
     close_flush_seconds: float = 30.0
+    #: one rank of a multi-rank job (``open_distributed(..., local_tier=...)``): ``local_tier`` is this
+    #: rank's own directory and holds this rank's part of each save (``ckptstore.tiers.parts``)
+    tier_rank: int | None = None
+    #: the coordinator of such a job: what every other rank holds verified locally (the resume decision)
+    tier_peers: Mapping[int, Mapping[str, Any]] | None = None
 
 
 class CheckpointStore:
@@ -126,6 +131,8 @@ class CheckpointStore:
         """Use :meth:`open` (this constructor takes the same choices as one
         :class:`OpenOptions`, for code that already holds a :class:`Backend`)."""
         o = options or OpenOptions()
+        #: the choices this store was opened with
+        self.options = o
         if o.local_tier is not None and o.protocol_version == 3:
             raise InvalidInputError("local_tier with protocol_version=3 (pieces) is not supported yet; "
                                     "choose one of the two")
@@ -163,6 +170,9 @@ class CheckpointStore:
         if self.mode == "w":
             if join_attempt is not None:
                 self.attempt = self._attempts.join(join_attempt)
+                if self._tiers is not None:  # a member rank of a tiered job: mirror, replicate its parts
+                    self._tiers.prepare(self._attempts.load())
+                    self._tiers.join(self.attempt, self.writer_id)
             else:
                 memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
                 tiers = self._tiers
@@ -191,14 +201,17 @@ class CheckpointStore:
             # which the replicator does not carry yet (core.pieces.pieces_lacking is the hook it will use)
             raise InvalidInputError("local_tier with a protocol version 3 run (pieces) is not supported yet; "
                                     "open it without local_tier, or keep the tiered run at version 2")
-        if o.join_attempt is not None:
-            raise InvalidInputError("local_tier with join_attempt (many ranks) is not supported yet; "
-                                    "open the ranks without local_tier")
+        if o.join_attempt is not None and o.tier_rank is None:
+            raise InvalidInputError("local_tier with join_attempt needs tier_rank (open the ranks with "
+                                    "ckptstore.distributed.open_distributed(..., local_tier=...))")
+        if o.tier_rank is not None and o.tier_rank < 0:
+            raise InvalidInputError("tier_rank must be >= 0")
         if o.local_keep < 1 or o.replicate_every < 1 or o.max_replication_lag < 1:
             raise InvalidInputError("local_keep, replicate_every and max_replication_lag must be at least 1")
         assert o.local_tier is not None
         return TierSet(o.local_tier, self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
-                       o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag)
+                       o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag,
+                       rank=o.tier_rank, peers=o.tier_peers)
 
     def _durable_step(self) -> int | None:
         try:
@@ -232,6 +245,8 @@ class CheckpointStore:
         replicate_every: int = 1,
         max_replication_lag: int = 2,
         close_flush_seconds: float = 30.0,
+        tier_rank: int | None = None,
+        tier_peers: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -291,7 +306,7 @@ class CheckpointStore:
             auth_policy=auth_policy, keyring=keyring, protocol_version=protocol_version,
             local_tier=local_tier, local_keep=local_keep, replicate_every=replicate_every,
             max_replication_lag=max_replication_lag, close_flush_seconds=close_flush_seconds,
-            piece_timing=piece_timing or PieceTiming(),
+            tier_rank=tier_rank, tier_peers=tier_peers, piece_timing=piece_timing or PieceTiming(),
         ))
 
     @property
@@ -637,6 +652,25 @@ class CheckpointStore:
             return self._catalog.get_save(ref.step, ref.attempt).manifest_digest == ref.manifest_digest
         except CkptStoreError:
             return False
+
+    def publish_record(self, data: bytes) -> SaveRef:
+        """A member rank of a tiered multi-rank job: publish the coordinator's
+        commit record (its exact bytes) in this rank's local tier, for the
+        components the record gives this rank, and queue that part for
+        replication (``ckptstore.tiers.parts``)."""
+        if self._tiers is None or self._tiers.rank is None:
+            raise InvalidInputError("publish_record needs a store opened with local_tier= and tier_rank=")
+        self._writer()
+        return self._tiers.publish_record(data)
+
+    def adopt_resume_point(self, ref: SaveRef) -> None:
+        """A member rank learnt the job's resume point from the coordinator
+        (``ref.tier`` is the coordinator's decision for every rank): sets
+        :attr:`resumed_from`; tiered, a save only the local tiers hold is
+        queued for replication (this rank's part)."""
+        self.resumed_from = ref
+        if self._tiers is not None and self._tiers.replicator is not None:
+            self._tiers.resume_from(ref)
 
     def gc_local(self, *, keep_last: int = 2, dry_run: bool = False, deep: bool = False,
                  grace_seconds: float = DEFAULT_GRACE_SECONDS) -> GcReport:

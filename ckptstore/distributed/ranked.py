@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -259,7 +260,8 @@ class RankStore:
         if not run.is_coordinator:
             old = run.store
             try:
-                new = CheckpointStore.open(old.backend, old.run_id, identity=old.identity, join_attempt=attempt)
+                new = CheckpointStore(old.backend, old.run_id, replace(
+                    old.options, identity=old.identity, mode="w", join_attempt=attempt, tier_peers=None))
             except CkptStoreError as exc:
                 raise CkptStoreError(
                     f"rank {run.rank}: cannot join the fallback attempt {attempt} of run {old.run_id!r}: {exc}"

@@ -43,8 +43,10 @@ class LocalTier:
 
     def __init__(
         self, root: str | os.PathLike[str], run_id: str, durable_attempts: AttemptLog, identity_digest: str,
-        auth: RecordAuth, retry: RetryPolicy | None,
+        auth: RecordAuth, retry: RetryPolicy | None, part: int | None = None,
     ) -> None:
+        #: the rank whose part this tier holds (a multi-rank job, ``tiers.parts``); None: whole saves
+        self.part = part
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.backend = LocalBackend(self.root)
@@ -55,9 +57,9 @@ class LocalTier:
         self.auth = auth
         self.attempts = AttemptLog(self.io, auth)
         #: selection: local saves judged by the durable attempt records
-        self.catalog = Catalog(self.io, durable_attempts, identity_digest)
+        self.catalog = self._catalog(durable_attempts)
         #: local gc: local saves judged by the local mirror only
-        self.own_catalog = Catalog(self.io, self.attempts, identity_digest)
+        self.own_catalog = self._catalog(self.attempts)
         #: why the local tier was set aside at open (None when it was usable)
         self.quarantined: str | None = None
 
@@ -71,8 +73,13 @@ class LocalTier:
             os.replace(src, dest)
         self.quarantined = why
         self.attempts = AttemptLog(self.io, self.auth)
-        self.own_catalog = Catalog(self.io, self.attempts, self.identity_digest)
-        self.catalog = Catalog(self.io, self.durable_attempts, self.identity_digest)
+        self.own_catalog = self._catalog(self.attempts)
+        self.catalog = self._catalog(self.durable_attempts)
+
+    def _catalog(self, attempts: AttemptLog) -> Catalog:
+        cat = Catalog(self.io, attempts, self.identity_digest)
+        cat.part = self.part
+        return cat
 
     def _copy(self, key: str, data: bytes, what: str) -> bool:
         """Create ``key`` locally with ``data``; False when a different object is already there."""

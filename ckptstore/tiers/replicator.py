@@ -167,8 +167,11 @@ class Replicator:
         retry: RetryPolicy, record: Callable[[str, Mapping[str, Any]], None],
         after: Callable[[int], None] | None = None,
         on_component: Callable[[str], None] | None = None,
+        copy: Callable[[RunIO, RunIO, AttemptLog, SaveRef, Callable[[str], None] | None], bool] | None = None,
     ) -> None:
         self.local, self.durable, self.attempts = local, durable, attempts
+        #: the step that makes one save durable (default :func:`copy_save`; one rank of many: ``tiers.parts``)
+        self.copy = copy or copy_save
         self.every, self.max_lag, self.retry = every, max_lag, retry
         self._record, self._after, self._on_component = record, after, on_component
         self._s = _State()
@@ -312,7 +315,7 @@ class Replicator:
                     return
             t0 = time.perf_counter()
             try:
-                created = copy_save(self.local, self.durable, self.attempts, ref, self._on_component)
+                created = self.copy(self.local, self.durable, self.attempts, ref, self._on_component)
             except SupersededError as exc:
                 with self._cond:
                     self._s.fenced = True

@@ -452,7 +452,7 @@ def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
             raise InvalidInputError(
                 f"run {a.run_id!r}: rank(s) {', '.join(map(str, other))} opened it with another identity than rank 0"
             )
-        peers = {r: dict(h.get("local") or {}) for r, h in sorted(hellos.items())}
+        peers = {r: dict(h.get("local") or {}) for r, h in sorted(hellos.items()) if r != ch.rank}
         store, resharded = _coordinator_open(
             a.url, a.run_id, a.identity, ch.world_size, storage_options=a.storage_options, resume_from=a.resume_from,
             resume_verify=a.resume_verify, reshard=a.reshard, retry=a.retry,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.local import LocalBackend
+from ..core.binding import read_run_record
 from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, part_names
 from ..core.commit_names import CommitKeys
@@ -73,6 +74,7 @@ def local_holdings(root: str | os.PathLike[str], run_id: str, rank: int, identit
     backend = LocalBackend(path)
     try:
         io = RunIO(backend, run_id, None)
+        read_run_record(io, None)  # the local copy of the durable run record: the layout of its names
         catalog = Catalog(io, AttemptLog(io, auth), identity_digest)
         catalog.part = rank
         for looked, (step, attempt) in enumerate(CommitKeys(io).newest_first()):
@@ -95,7 +97,7 @@ def local_holdings(root: str | os.PathLike[str], run_id: str, rank: int, identit
                 continue
             held.append({"step": step, "attempt": attempt, "save_id": rec.save_id,
                          "manifest_digest": rec.manifest_digest()})
-    except (CkptStoreError, OSError) as exc:
+    except (CkptStoreError, OSError, ValueError) as exc:
         reasons.append(f"rank {rank}: local tier unreadable: {exc}"[:300])
     finally:
         backend.close()

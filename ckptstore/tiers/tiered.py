@@ -73,6 +73,8 @@ class TierSet:
         #: (``{rank: {"held": [{"step", "attempt", "save_id", "manifest_digest"}, ...], "reasons": [...]}}``)
         self.peers = dict(peers) if peers is not None else None
         self._peer_reasons: dict[str, Any] = {}
+        #: the newest step this process's local tier could have resumed from (before the all-ranks check)
+        self._local_newest: int | None = None
         self.local = LocalTier(root, durable_io.run_id, durable_attempts, identity_digest, auth, retry, part=rank)
         self.local.io.layout_or_none = durable_io.layout  # the durable run record decides the naming
         self.reader = Reader(self.local.catalog)
@@ -102,6 +104,7 @@ class TierSet:
         except ResumeRefusedError as exc:
             refused = exc
         local, reasons = self.local.select(deep, view, durable)
+        self._local_newest = local.step if local is not None else None
         if local is not None and self.peers is not None:
             local = self._held_by_all(local, reasons)
         self._local_reasons = reasons
@@ -188,6 +191,8 @@ class TierSet:
         newest = max((int(e.payload["step"]) for e in events
                       if e.event in ("save", "replicated", "replication-skipped", "preempted")
                       and isinstance(e.payload.get("step"), int)), default=None)
+        if self._local_newest is not None:  # a newer local step not every rank held (many ranks)
+            newest = self._local_newest if newest is None else max(newest, self._local_newest)
         if newest is None:
             return 0
         return max(0, newest - (resumed.step if resumed is not None else -1))

@@ -125,7 +125,7 @@ def test_a_superseded_attempts_local_saves_are_never_selected_or_replicated(rest
 
 def test_durable_commit_only_once_every_rank_uploaded(tmp_path: Path) -> None:
     # rank 1 is killed as its replicator starts uploading its part of step 2
-    res = job(tmp_path, steps=[1, 2], flush=4, close_flush=1, kill={"rank": 1, "step": 2})
+    res = job(tmp_path, steps=[1, 2], flush=2.5, close_flush=1, kill={"rank": 1, "step": 2})
     assert res[1].killed and not res[0].killed
     assert res[0].results["save2"]["ok"]  # committed in both local tiers
     assert not res[0].results["flush"]["ok"]  # ... but never made durable: rank 1's part is missing
@@ -139,3 +139,17 @@ def test_durable_commit_only_once_every_rank_uploaded(tmp_path: Path) -> None:
     with durable(tmp_path) as s:
         latest = s.latest_complete(deep=True)
         assert latest is not None and latest.step == 2
+
+
+@pytest.mark.slow
+def test_checkpointer_on_rank_stores_resumes_from_the_local_tiers_exactly(tmp_path: Path) -> None:
+    first = job(tmp_path, stop=7, flush=20)  # saves every 2 steps, each committed locally and replicated
+    res = job(tmp_path, stop=7, flush=20)  # restarts from the newest save, read from both local tiers
+    assert [t for _, t in opened(res)] == ["both", "both"]
+    for a, b in zip(first, res, strict=True):
+        start = b.results["ckpt"]["start"]
+        assert 0 < start < 7
+        tail = {k: v for k, v in a.results["ckpt"]["draws"].items() if int(k) >= start}
+        assert b.results["ckpt"]["draws"] == tail  # RNG streams and data position, per rank, exactly
+    d = resume_tier(tmp_path)
+    assert d["tier"] == "local"

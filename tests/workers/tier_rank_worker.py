@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ckptstore.distributed import open_distributed
 from ckptstore.tiers import parts
-from tests.workers.dist_worker import blob, die, emit, err_json, save
+from tests.workers.dist_worker import blob, checkpointer, die, emit, err_json, save
 
 
 def main() -> None:
@@ -61,6 +61,8 @@ def main() -> None:
             emit(event="read", ok=data == blob(ref.step, rank), tier=ref.tier)
         except Exception as exc:  # noqa: BLE001
             emit(event="read", **err_json(exc))
+    if "stop" in args:  # Checkpointer(RankStore(run)) on top, unchanged
+        emit(event="ckpt", **checkpointer(run, args))
     for step in args.get("steps", []):
         emit(event=f"save{step}", **save(run, step, None))
     if args.get("flush"):

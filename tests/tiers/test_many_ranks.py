@@ -16,6 +16,7 @@ import pytest
 
 from ckptstore import CheckpointStore
 from ckptstore.errors import NotFoundError
+from tests.tiers.test_kill import durable_location
 from tests.workers.dist_launch import RankResult, run_job
 
 pytest.importorskip("torch.distributed")
@@ -24,9 +25,10 @@ WORKER = str(Path(__file__).parents[1] / "workers" / "tier_rank_worker.py")
 IDENT = {"data_digest": "d", "code_digest": "c", "world_size": 2}
 
 
-def job(base: Path, **args: Any) -> list[RankResult]:
-    res = run_job(2, str(base / "durable"), "tiers", args={"local": str(base / "local"), **args}, worker=WORKER,
-                  timeout=90)
+def job(base: Path, *, url: str | None = None, opts: dict[str, Any] | None = None, **args: Any) -> list[RankResult]:
+    """A 2-rank job; the durable tier is ``base/durable`` unless ``url`` (with ``opts``) names another."""
+    res = run_job(2, url or str(base / "durable"), "tiers", opts=opts, args={"local": str(base / "local"), **args},
+                  worker=WORKER, timeout=90)
     for r in res:
         if not r.killed:
             assert r.returncode == 0, r.stderr[-3000:]
@@ -34,8 +36,8 @@ def job(base: Path, **args: Any) -> list[RankResult]:
     return res
 
 
-def durable(base: Path) -> CheckpointStore:
-    return CheckpointStore.open(str(base / "durable"), "run")
+def durable(base: Path, url: str | None = None, opts: dict[str, Any] | None = None) -> CheckpointStore:
+    return CheckpointStore.open(url or str(base / "durable"), "run", storage_options=opts or None)
 
 
 def resume_tier(base: Path) -> dict[str, Any]:
@@ -123,20 +125,23 @@ def test_a_superseded_attempts_local_saves_are_never_selected_or_replicated(rest
         assert latest is not None and latest.step == 1
 
 
-def test_durable_commit_only_once_every_rank_uploaded(tmp_path: Path) -> None:
+@pytest.mark.backends("local", "seaweedfs")
+def test_durable_commit_only_once_every_rank_uploaded(backend_kind: str, tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
+    url, opts = durable_location(backend_kind, tmp_path, request)
     # rank 1 is killed as its replicator starts uploading its part of step 2
-    res = job(tmp_path, steps=[1, 2], flush=2.5, close_flush=1, kill={"rank": 1, "step": 2})
+    res = job(tmp_path, url=url, opts=opts, steps=[1, 2], flush=2.5, close_flush=1, kill={"rank": 1, "step": 2})
     assert res[1].killed and not res[0].killed
     assert res[0].results["save2"]["ok"]  # committed in both local tiers
     assert not res[0].results["flush"]["ok"]  # ... but never made durable: rank 1's part is missing
-    with durable(tmp_path) as s:
+    with durable(tmp_path, url, opts) as s:
         latest = s.latest_complete()
         assert latest is not None and latest.step == 1  # the previous durable save stays selected
         with pytest.raises(NotFoundError):
             s.get_save(2)
-    res = job(tmp_path, steps=[], flush=20)  # the restart resumes from the local tiers and catches up
+    res = job(tmp_path, url=url, opts=opts, steps=[], flush=20)  # the restart resumes locally and catches up
     assert opened(res) == [(2, "local"), (2, "local")]
-    with durable(tmp_path) as s:
+    with durable(tmp_path, url, opts) as s:
         latest = s.latest_complete(deep=True)
         assert latest is not None and latest.step == 2
 

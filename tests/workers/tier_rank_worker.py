@@ -46,7 +46,8 @@ def main() -> None:
     ident = {"data_digest": "d", "code_digest": "c", "world_size": world}
     try:
         run = open_distributed(
-            spec["url"], "run", identity=ident, timeout=30, save_timeout=20, local_tier=args["local"],
+            spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None, timeout=30, save_timeout=20,
+            local_tier=args["local"],
             replicate_every=int(args.get("every", 1)), close_flush_seconds=float(args.get("close_flush", 10)),
         )
     except Exception as exc:  # noqa: BLE001

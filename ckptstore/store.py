@@ -296,6 +296,9 @@ class CheckpointStore:
         wins). The local tier keeps ``local_keep`` saves. Selection and the resume point take the newest
         save complete in either tier; a local copy is used only when its attempt counts in the durable
         records and it verifies, else the durable copy, else an older save (``resume-tier`` event).
+        ``tier_rank`` / ``tier_peers``: set by :func:`ckptstore.distributed.open_distributed` for a
+        job of many ranks (``local_tier`` is then that rank's own ``<local_tier>/rank-<r>`` and holds
+        that rank's part of each save; ``docs/tiers.md`` "Many ranks"); not for direct use.
         """
         from .backends.schemes import backend_from_url
 

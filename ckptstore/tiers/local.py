@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..backends.local import LocalBackend
 from ..core.bounded_io import RunIO
-from ..core.catalog import Catalog
+from ..core.catalog import Catalog, Scan
 from ..core.collector import GcReport, collect
 from ..core.fencing import AttemptLog, AttemptView
 from ..core.record_auth import RecordAuth
@@ -152,6 +152,21 @@ class LocalTier:
             reasons.append(f"step {ref.step}: manifest digest differs from the durable commit's (a foreign copy)")
             return None, reasons
         return replace(ref, tier="local"), reasons
+
+    def candidate(self, step: int, attempt: int, view: AttemptView, deep: bool) -> SaveRef | None:
+        """The local commit ``(step, attempt)`` when :meth:`select` would accept
+        it (judged by the durable attempt records ``view``, its part verified,
+        written by the writer that registered its attempt), else None. For a
+        resume point older than the newest local one (many ranks: the newest
+        every rank holds)."""
+        try:
+            c = self.catalog.evaluate(step, attempt, Scan({}, {}, view, saves_listed=False), deep)
+        except CkptStoreError:
+            return None
+        registered = view.records.get(attempt)
+        if c.ref is None or registered is None or registered.writer_id != c.ref.record.writer_id:
+            return None
+        return replace(c.ref, tier="local")
 
     def explain(self, durable: Selection, chosen: SaveRef | None, reasons: list[str]) -> Selection:
         notes = (*durable.notes, *(f"local tier: {r}" for r in reasons[:20]))

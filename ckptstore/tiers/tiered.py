@@ -106,7 +106,10 @@ class TierSet:
         local, reasons = self.local.select(deep, view, durable)
         self._local_newest = local.step if local is not None else None
         if local is not None and self.peers is not None:
+            newest = local
             local = self._held_by_all(local, reasons)
+            if local is None:
+                local = self._older_held_by_all(newest, durable, view, deep, reasons)
         self._local_reasons = reasons
         if refused is not None and local is None:
             raise refused
@@ -133,6 +136,27 @@ class TierSet:
             return local
         reasons.append(f"step {local.step}: rank(s) {lacking} do not hold their part verified locally; "
                        "every rank reads the durable copy (all ranks or none)")
+        return None
+
+    def _older_held_by_all(self, newest: SaveRef, durable: SaveRef | None, view: AttemptView, deep: bool,
+                           reasons: list[str]) -> SaveRef | None:
+        """The newest save older than ``newest`` and newer than ``durable`` that
+        every other rank reported holding verified and this tier accepts."""
+        assert self.peers is not None
+        common: set[tuple[int, int, str, str]] | None = None
+        for report in self.peers.values():
+            mine = {(int(h["step"]), int(h["attempt"]), str(h["save_id"]), str(h["manifest_digest"]))
+                    for h in (report.get("held") or []) if isinstance(h, Mapping)
+                    and isinstance(h.get("step"), int) and isinstance(h.get("attempt"), int)}
+            common = mine if common is None else common & mine
+        floor = (durable.step, durable.attempt) if durable is not None else (-1, -1)
+        for step, attempt, sid, digest in sorted(common or (), reverse=True):
+            if not floor < (step, attempt) < (newest.step, newest.attempt):
+                continue
+            ref = self.local.candidate(step, attempt, view, deep)
+            if ref is not None and (ref.save_id, ref.manifest_digest) == (sid, digest):
+                reasons.append(f"step {step}: every rank holds its part verified locally")
+                return ref
         return None
 
     def start(self, attempt: AttemptRecord, writer_id: str, resumed: SaveRef | None, durable_newest: int | None) -> None:

@@ -18,13 +18,15 @@ from ckptstore.tiers.parts import local_holdings, rank_root
 IDENT = {"model": "tiny", "world_size": 2}
 
 
-def pair(tmp_path: Path, peers: dict[int, Any] | None = None) -> tuple[CheckpointStore, CheckpointStore]:
+def pair(tmp_path: Path, peers: dict[int, Any] | None = None, every: int = 1) -> tuple[CheckpointStore, CheckpointStore]:
     url = str(tmp_path / "durable")
     coord = CheckpointStore.open(url, "run", identity=IDENT, single_writer=True, tier_rank=0, tier_peers=peers or {},
-                                 local_tier=rank_root(tmp_path / "local", 0), close_flush_seconds=0.5)
+                                 local_tier=rank_root(tmp_path / "local", 0), close_flush_seconds=0.5,
+                                 replicate_every=every, local_keep=5)
     assert coord.attempt is not None
     member = CheckpointStore.open(url, "run", identity=IDENT, join_attempt=coord.attempt.number, tier_rank=1,
-                                  local_tier=rank_root(tmp_path / "local", 1), close_flush_seconds=0.5)
+                                  local_tier=rank_root(tmp_path / "local", 1), close_flush_seconds=0.5,
+                                  replicate_every=every, local_keep=5)
     return coord, member
 
 
@@ -127,3 +129,24 @@ def test_a_member_needs_its_rank(tmp_path: Path) -> None:
                              local_tier=tmp_path / "x")
     coord.close()
     member.close()
+
+
+def test_the_newest_save_every_rank_holds_wins_over_an_older_durable_one(tmp_path: Path) -> None:
+    coord, member = pair(tmp_path, every=10)  # step 1 replicated, steps 2 and 3 local only
+    save(coord, member, 1)
+    r2 = save(coord, member, 2)
+    save(coord, member, 3)
+    coord.flush(10)
+    member.flush(10)
+    coord.close()
+    member.close()
+    held, _ = local_holdings(rank_root(tmp_path / "local", 1), "run", 1, coord.identity_digest, RecordAuth("off", None))
+    assert [h["step"] for h in held] == [3, 2, 1]
+    # rank 1 lost step 3 (say its local commit failed): the job resumes from step 2, locally, on every rank
+    c2, m2 = pair(tmp_path, peers={1: {"held": held[1:], "reasons": []}})
+    assert c2.resumed_from is not None and (c2.resumed_from.step, c2.resumed_from.tier) == (2, "local")
+    assert c2.resumed_from.save_id == r2.save_id
+    d = [e for e in c2.events() if e["event"] == "resume-tier"][-1]["payload"]
+    assert d["steps_lost_with_local_tier"] == 1
+    c2.close()
+    m2.close()

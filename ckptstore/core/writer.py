@@ -385,7 +385,7 @@ def publish_part(ctx: WriterContext, record: CommitRecord, names: Sequence[str])
         remove_components(ctx.io, save_id, mine)
         raise
     _create(ctx, step, save_id, record, mine)
-    _post_fence(ctx, step)
+    _post_fence(ctx, record.step)
     return SaveRef.of(record)
 
 

@@ -322,8 +322,13 @@ class DistributedSave:
                           f"local tier ({exc}); the save will not be resumed from the local tiers nor made durable",
                           RuntimeWarning, stacklevel=4)
             ref = replace(SaveRef.of(P.CommitRecord.decode(data, "the coordinator's commit record")), tier="local")
-        if ref.manifest_digest != want.get("manifest_digest") or ref.save_id != want.get("save_id"):
+        if ref.manifest_digest != want.get("manifest_digest") or ref.save_id != want.get("save_id") \
+                or ref.save_id != self.save_id:
             raise CorruptionError(f"save of step {self.step}: the coordinator's record differs from its reference")
+        wrote = self._staged.components
+        if any(ref.components.get(n) != c for n, c in wrote.items()):
+            raise CorruptionError(f"save of step {self.step}: the coordinator's record does not list this rank's "
+                                  "components as written")
         return ref
 
 

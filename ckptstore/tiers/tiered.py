@@ -72,7 +72,6 @@ class TierSet:
         #: the coordinator of a multi-rank job: every other rank's report of what it holds verified locally
         #: (``{rank: {"held": [{"step", "attempt", "save_id", "manifest_digest"}, ...], "reasons": [...]}}``)
         self.peers = dict(peers) if peers is not None else None
-        self._peer_reasons: dict[str, Any] = {}
         #: the newest step this process's local tier could have resumed from (before the all-ranks check)
         self._local_newest: int | None = None
         self.local = LocalTier(root, durable_io.run_id, durable_attempts, identity_digest, auth, retry, part=rank)
@@ -127,11 +126,6 @@ class TierSet:
             if not any(isinstance(h, Mapping) and h.get("manifest_digest") == local.manifest_digest
                        and h.get("save_id") == local.save_id for h in held):
                 lacking.append(r)
-        self._peer_reasons = {
-            str(r): {"held_steps": [h.get("step") for h in (rep.get("held") or []) if isinstance(h, Mapping)][:5],
-                     "reasons": [str(x)[:300] for x in (rep.get("reasons") or [])][:5]}
-            for r, rep in sorted(self.peers.items())
-        }
         if not lacking:
             return local
         reasons.append(f"step {local.step}: rank(s) {lacking} do not hold their part verified locally; "
@@ -176,7 +170,7 @@ class TierSet:
         }
         if self.peers is not None:
             self.resume_decision["world_size"] = len(self.peers) + 1
-            self.resume_decision["ranks"] = self._peer_reasons or {
+            self.resume_decision["ranks"] = {  # per rank: the steps it holds verified, why others were refused
                 str(r): {"held_steps": [h.get("step") for h in (rep.get("held") or []) if isinstance(h, Mapping)][:5],
                          "reasons": [str(x)[:300] for x in (rep.get("reasons") or [])][:5]}
                 for r, rep in sorted(self.peers.items())}

@@ -9,7 +9,10 @@ delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
   point) every component re-hashed; the decision is recorded as ``resume-tier``;
 * read: a save held by both tiers is read locally, each component falling back
   to the durable copy when the local one does not verify;
-* gc: each tier on its own.
+* gc: each tier on its own;
+* many ranks (``rank`` set, :mod:`.parts`): the local tier holds this rank's
+  part of each save under the coordinator's record bytes; the coordinator's
+  resume point is local only when every other rank (``peers``) holds it.
 """
 
 from __future__ import annotations

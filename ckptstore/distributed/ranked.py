@@ -120,6 +120,28 @@ class RankStore:
     def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
         self.run.store.read_into(ref, self.prefix + name, out)
 
+    @property
+    def tiered(self) -> bool:
+        """Whether the job was opened with a ``local_tier`` (``docs/tiers.md`` "Many ranks")."""
+        return self.run.store.tiered
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        """Collective (a preemption, the end of training): every rank queues its
+        part of the newest local save and waits up to ``timeout`` seconds for it
+        to be uploaded; the coordinator waits for the durable commit. Every rank
+        returns the coordinator's answer: True when that save is committed in the
+        durable tier (False too when the coordinator cannot be heard)."""
+        run = self.run
+        mine = run.store.make_durable(timeout)
+        ch = run.channel
+        tag = ch.next()
+        try:
+            out = ch.exchange_from_coordinator(tag, "durable", {"durable": mine} if run.is_coordinator else None,
+                                               timeout=(timeout or 0.0) + ch.timeout)
+        except CkptStoreError:
+            return False
+        return out.get("durable") is True
+
     def agree_preemption(self, flag: bool) -> bool:
         """The job's agreed preemption flag (collective; :meth:`DistributedRun.agree_preemption`)."""
         return self.run.agree_preemption(flag)

@@ -149,6 +149,7 @@ def test_durable_commit_only_once_every_rank_uploaded(backend_kind: str, tmp_pat
 @pytest.mark.slow
 def test_checkpointer_on_rank_stores_resumes_from_the_local_tiers_exactly(tmp_path: Path) -> None:
     first = job(tmp_path, stop=7, flush=20)  # saves every 2 steps, each committed locally and replicated
+    assert [r.results["durable"]["ok"] for r in first] == [True, True]  # the last save, every rank's part
     res = job(tmp_path, stop=7, flush=20)  # restarts from the newest save, read from both local tiers
     assert [t for _, t in opened(res)] == ["both", "both"]
     for a, b in zip(first, res, strict=True):

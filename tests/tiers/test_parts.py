@@ -150,3 +150,15 @@ def test_the_newest_save_every_rank_holds_wins_over_an_older_durable_one(tmp_pat
     assert d["steps_lost_with_local_tier"] == 1
     c2.close()
     m2.close()
+
+
+def test_the_dcp_writer_is_refused_on_a_tiered_job_of_many_ranks(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.checkpoint")
+    from ckptstore.distributed.dcp.writer import StoreWriter
+
+    coord, member = pair(tmp_path)
+    for store in (coord, member):
+        with pytest.raises(InvalidInputError, match="not supported yet"):
+            StoreWriter(store, 1)
+    coord.close()
+    member.close()

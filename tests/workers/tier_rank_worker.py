@@ -64,6 +64,9 @@ def main() -> None:
             emit(event="read", **err_json(exc))
     if "stop" in args:  # Checkpointer(RankStore(run)) on top, unchanged
         emit(event="ckpt", **checkpointer(run, args))
+        from ckptstore.distributed.ranked import RankStore
+
+        emit(event="durable", ok=RankStore(run).make_durable(20))  # collective: the coordinator's answer
     for step in args.get("steps", []):
         emit(event=f"save{step}", **save(run, step, None))
     if args.get("flush"):

@@ -450,7 +450,8 @@ def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
     resharded: dict[str, Any] | None = None
     err: BaseException | None = None
     try:
-        hellos = ch.gather(tag, "hello")
+        # tiered: each rank re-hashes its newest local parts before it says hello (bounded like a save)
+        hellos = ch.gather(tag, "hello", timeout=a.timeout + a.save_timeout if a.tiers is not None else None)
         mine = identity_digest(a.identity)
         other = sorted(r for r, h in hellos.items() if h.get("identity_digest") != mine)
         if other:

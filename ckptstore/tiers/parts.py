@@ -39,8 +39,8 @@ from ..protocol import save_prefix
 from ..protocol.selection import SaveRef
 from .replicator import commit_durable, upload_components
 
-#: the newest local commits a rank reports as verified (each costs a re-hash of its part)
-MAX_HOLDINGS = 3
+#: the newest local commits a rank reports as verified (each costs a re-hash of its part at open)
+MAX_HOLDINGS = 2
 #: local commit records looked at, at most, to find them
 MAX_LOOKED_AT = 16
 #: seconds the coordinator's replicator waits for the other ranks' parts in one try

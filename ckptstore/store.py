@@ -89,6 +89,11 @@ class OpenOptions:
     close_flush_seconds: float = 30.0
     #: copy each component to the durable tier as soon as it is written locally (docs/tiers.md)
     early_replication: bool = False
+    #: one rank of a multi-rank job (``open_distributed(..., local_tier=...)``): ``local_tier`` is this
+    #: rank's own directory and holds this rank's part of each save (``ckptstore.tiers.parts``)
+    tier_rank: int | None = None
+    #: the coordinator of such a job: what every other rank holds verified locally (the resume decision)
+    tier_peers: Mapping[int, Mapping[str, Any]] | None = None
 
 
 class CheckpointStore:
@@ -128,6 +133,8 @@ class CheckpointStore:
         """Use :meth:`open` (this constructor takes the same choices as one
         :class:`OpenOptions`, for code that already holds a :class:`Backend`)."""
         o = options or OpenOptions()
+        #: the choices this store was opened with
+        self.options = o
         identity, mode, resume_from, resume_verify = o.identity, o.mode, o.resume_from, o.resume_verify
         join_attempt, single_writer, lineage, protocol_version = o.join_attempt, o.single_writer, o.lineage, o.protocol_version
         retry, auth_policy, keyring = o.retry, o.auth_policy, o.keyring
@@ -162,6 +169,9 @@ class CheckpointStore:
         if self.mode == "w":
             if join_attempt is not None:
                 self.attempt = self._attempts.join(join_attempt)
+                if self._tiers is not None:  # a member rank of a tiered job: mirror, replicate its parts
+                    self._tiers.prepare(self._attempts.load())
+                    self._tiers.join(self.attempt, self.writer_id)
             else:
                 memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
                 tiers = self._tiers
@@ -185,15 +195,26 @@ class CheckpointStore:
             self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None)
 
     def _open_tiers(self, o: OpenOptions) -> TierSet:
-        if o.join_attempt is not None:
-            raise InvalidInputError("local_tier with join_attempt (many ranks) is not supported yet; "
-                                    "open the ranks without local_tier")
+        if o.join_attempt is not None and o.tier_rank is None:
+            raise InvalidInputError("local_tier with join_attempt needs tier_rank (open the ranks with "
+                                    "ckptstore.distributed.open_distributed(..., local_tier=...))")
+        if o.tier_rank is not None and o.tier_rank < 0:
+            raise InvalidInputError("tier_rank must be >= 0")
+        if o.tier_rank is not None and o.early_replication:
+            raise InvalidInputError("early_replication is for one process; a rank of many replicates its part "
+                                    "after the local commit (open the job without early_replication)")
+        if o.tier_rank is not None and (o.protocol_version == 3 or self._io.layout.pieces):
+            # each rank's replicator carries its own part, the pieces path (tiers.durable_intent) one
+            # process's save: the two are not joined yet
+            raise InvalidInputError("local_tier on many ranks with a protocol version 3 run (pieces) is not "
+                                    "supported yet; open the job at protocol version 2, or without local_tier")
         if o.local_keep < 1 or o.replicate_every < 1 or o.max_replication_lag < 1:
             raise InvalidInputError("local_keep, replicate_every and max_replication_lag must be at least 1")
         assert o.local_tier is not None
         return TierSet(o.local_tier, self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
                        o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag,
-                       piece_timing=o.piece_timing, early=o.early_replication)
+                       piece_timing=o.piece_timing, early=o.early_replication,
+                       rank=o.tier_rank, peers=o.tier_peers)
 
     def _durable_step(self) -> int | None:
         try:
@@ -228,6 +249,8 @@ class CheckpointStore:
         max_replication_lag: int = 2,
         close_flush_seconds: float = 30.0,
         early_replication: bool = False,
+        tier_rank: int | None = None,
+        tier_peers: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
@@ -280,6 +303,9 @@ class CheckpointStore:
         Selection and the resume point take the newest
         save complete in either tier; a local copy is used only when its attempt counts in the durable
         records and it verifies, else the durable copy, else an older save (``resume-tier`` event).
+        ``tier_rank`` / ``tier_peers``: set by :func:`ckptstore.distributed.open_distributed` for a
+        job of many ranks (``local_tier`` is then that rank's own ``<local_tier>/rank-<r>`` and holds
+        that rank's part of each save; ``docs/tiers.md`` "Many ranks"); not for direct use.
         """
         from .backends.schemes import backend_from_url
 
@@ -291,6 +317,7 @@ class CheckpointStore:
             local_tier=local_tier, local_keep=local_keep, replicate_every=replicate_every,
             max_replication_lag=max_replication_lag, close_flush_seconds=close_flush_seconds,
             piece_timing=piece_timing or PieceTiming(), early_replication=early_replication,
+            tier_rank=tier_rank, tier_peers=tier_peers,
         ))
 
     @property
@@ -641,6 +668,25 @@ class CheckpointStore:
             return self._catalog.get_save(ref.step, ref.attempt).manifest_digest == ref.manifest_digest
         except CkptStoreError:
             return False
+
+    def publish_record(self, data: bytes) -> SaveRef:
+        """A member rank of a tiered multi-rank job: publish the coordinator's
+        commit record (its exact bytes) in this rank's local tier, for the
+        components the record gives this rank, and queue that part for
+        replication (``ckptstore.tiers.parts``)."""
+        if self._tiers is None or self._tiers.rank is None:
+            raise InvalidInputError("publish_record needs a store opened with local_tier= and tier_rank=")
+        self._writer()
+        return self._tiers.publish_record(data)
+
+    def adopt_resume_point(self, ref: SaveRef) -> None:
+        """A member rank learnt the job's resume point from the coordinator
+        (``ref.tier`` is the coordinator's decision for every rank): sets
+        :attr:`resumed_from`; tiered, a save only the local tiers hold is
+        queued for replication (this rank's part)."""
+        self.resumed_from = ref
+        if self._tiers is not None and self._tiers.replicator is not None:
+            self._tiers.resume_from(ref)
 
     def gc_local(self, *, keep_last: int = 2, dry_run: bool = False, deep: bool = False,
                  grace_seconds: float = DEFAULT_GRACE_SECONDS) -> GcReport:

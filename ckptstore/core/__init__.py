@@ -48,6 +48,7 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     tiers.local               the local tier: mirror, selection judged by durable attempts, gc
     tiers.durable_intent      the replicator's save intent in the durable tier (version 3)
     tiers.replicator          background replication to the durable tier, in commit order
+    tiers.parts               many ranks: rank folders, local holdings, each rank's replication step
     tiers.tiered              the two tiers joined: save, select, resume, read, gc per tier
     store                     the public facade
 """

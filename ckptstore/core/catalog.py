@@ -141,6 +141,15 @@ class RecordCache:
                 self._bytes -= self._items.pop(victim)[0][0]
 
 
+def part_names(rec: CommitRecord, rank: int | None) -> frozenset[str] | None:
+    """The components of ``rec`` that rank ``rank`` wrote (its part), or None
+    (all of them) when ``rank`` is None or the record has no ``ranks`` map.
+    A rank the map does not name holds no part (empty)."""
+    if rank is None or rec.ranks is None:
+        return None
+    return frozenset(rec.ranks.get(rank, ()))
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One commit as the walk judged it."""
@@ -161,6 +170,9 @@ class Catalog:
         self.auth: RecordAuth = attempts.auth
         self.identity_digest = identity_digest
         self.records = RecordCache()
+        #: a local tier of one rank of a multi-rank run (PROTOCOL.md §"Tiers"): only the
+        #: components the record's ``ranks`` map gives this rank are checked; None: all
+        self.part: int | None = None
 
     def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True) -> Scan:
         return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves)
@@ -214,8 +226,11 @@ class Catalog:
             self.io, rec.components.values(), scan.pieces if scan is not None else None, deep,
             scan.piece_memo if scan is not None else None,
         )
+        mine = part_names(rec, self.part)
+        if mine is not None and not mine:
+            problems.append((SkipReason.MISSING_COMPONENT, f"the record gives rank {self.part} no component"))
         for name, comp in sorted(rec.components.items()):
-            if comp.pieces is not None:
+            if comp.pieces is not None or (mine is not None and name not in mine):
                 continue
             key = component_key(self.io.run_id, rec.save_id, name)
             size: int | None

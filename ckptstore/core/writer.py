@@ -344,6 +344,51 @@ def publish(
     return SaveRef.of(record)
 
 
+def seal_record(
+    ctx: WriterContext, step: int, save_id: str, components: Mapping[str, ComponentEntry], *,
+    metadata: Mapping[str, Any] | None, ranks: Mapping[int, Sequence[str]], world_size: int | None,
+) -> CommitRecord:
+    """The commit record of a multi-rank save whose ranks write into separate
+    local tiers (PROTOCOL.md §"Tiers"): sealed here once, then published by
+    every rank for its own part with :func:`publish_part` (the same bytes in
+    every tier). Checks the rank map names every component exactly once."""
+    check_save_id(ctx, step, save_id)
+    comps = dict(components)
+    if not comps:
+        raise SaveAbortedError(f"save of step {step} has no components; nothing was published")
+    rank_map = {int(r): tuple(names) for r, names in ranks.items()}
+    if sorted(n for names in rank_map.values() for n in names) != sorted(comps):
+        raise InvalidInputError("ranks must name every component exactly once")
+    if any(c.pieces is not None or c.size < 0 for c in comps.values()):
+        raise InvalidInputError("a multi-rank tiered save cannot hold pieced or unfinished components")
+    return _seal(ctx, step, save_id, comps, metadata, rank_map, world_size)
+
+
+def publish_part(ctx: WriterContext, record: CommitRecord, names: Sequence[str]) -> SaveRef:
+    """Publish ``record`` (sealed by the coordinator) in this rank's tier,
+    holding only the components ``names`` (this rank's part): they are listed
+    with their recorded sizes, the pre-commit fence, the record's bytes
+    created if absent, the post-commit fence. The record must be of this
+    context's attempt. Raises a :class:`SaveNotPublishedError` subclass."""
+    step, save_id = record.step, record.save_id
+    check_save_id(ctx, step, save_id)
+    if record.attempt != ctx.attempt.number or record.run_id != ctx.io.run_id:
+        raise InvalidInputError(f"the record of step {step} is not of attempt {ctx.attempt.number} of this run")
+    unknown = [n for n in names if n not in record.components]
+    if unknown:
+        raise SaveAbortedError(f"save of step {step}: component(s) {unknown[:5]} are not in the record; not published")
+    mine = {n: record.components[n] for n in names}
+    try:
+        _verify_inventory(ctx, step, save_id, mine)
+        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)
+    except BaseException:
+        remove_components(ctx.io, save_id, mine)
+        raise
+    _create(ctx, step, save_id, record, mine)
+    _post_fence(ctx, record.step)
+    return SaveRef.of(record)
+
+
 class SaveWriter:
     """One save in progress, published when its ``with`` block exits cleanly.
     Created by ``CheckpointStore.save``: a :class:`StagedSave` plus a publish."""

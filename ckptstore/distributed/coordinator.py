@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Literal, Self
 
 import torch.distributed as dist
 
 from .. import protocol as P
+from ..core.record_auth import RecordAuth
 from ..errors import (
     CkptStoreError,
     CommitUnknownError,
@@ -43,6 +45,7 @@ from ..protocol.records import PieceRef, pieces_digest
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
 from ..store import CheckpointStore
+from ..tiers.parts import local_holdings, rank_root
 from .agreement import FlagAgreement, PeerLostError
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after
@@ -267,6 +270,8 @@ class DistributedSave:
             )
             _reached("after_publish")
             outcome: dict[str, Any] = {"ok": True, "ref": ref.to_json()}
+            if store.tiered:  # every rank publishes the same record bytes in its own local tier
+                outcome["record"] = ref.record.encode().decode("utf-8")
         except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
             err = exc
             outcome = {"ok": False, "error": error_to_json(exc)}
@@ -302,7 +307,29 @@ class DistributedSave:
             if may_delete_after(err):
                 self._staged.abort()
             raise err
+        if store.tiered and isinstance(outcome.get("record"), str):
+            return self._publish_part(store, str(outcome["record"]).encode("utf-8"), outcome["ref"])
         return _ref_from_json(store, outcome["ref"])
+
+    def _publish_part(self, store: CheckpointStore, data: bytes, want: Mapping[str, Any]) -> SaveRef:
+        """A member of a tiered job: this rank's part of the coordinator's record, committed in its local tier.
+        A failure here is this rank's alone (the save is never resumed from the local tiers nor made
+        durable without this part): a warning, not an error, so the ranks stay in step."""
+        try:
+            ref = store.publish_record(data)
+        except CkptStoreError as exc:
+            warnings.warn(f"rank {self.run.rank}: step {self.step}: this rank's part was not committed in its "
+                          f"local tier ({exc}); the save will not be resumed from the local tiers nor made durable",
+                          RuntimeWarning, stacklevel=4)
+            ref = replace(SaveRef.of(P.CommitRecord.decode(data, "the coordinator's commit record")), tier="local")
+        if ref.manifest_digest != want.get("manifest_digest") or ref.save_id != want.get("save_id") \
+                or ref.save_id != self.save_id:
+            raise CorruptionError(f"save of step {self.step}: the coordinator's record differs from its reference")
+        wrote = self._staged.components
+        if any(ref.components.get(n) != c for n, c in wrote.items()):
+            raise CorruptionError(f"save of step {self.step}: the coordinator's record does not list this rank's "
+                                  "components as written")
+        return ref
 
 
 def _identity_dict(identity: RunIdentity | Mapping[str, Any]) -> dict[str, Any]:
@@ -322,6 +349,11 @@ def open_distributed(
     resume_verify: Literal["deep", "cheap"] = "deep",
     reshard: bool = False,
     retry: RetryPolicy | None = None,
+    local_tier: str | os.PathLike[str] | None = None,
+    local_keep: int = 2,
+    replicate_every: int = 1,
+    max_replication_lag: int = 2,
+    close_flush_seconds: float = 30.0,
 ) -> DistributedRun:
     """Open ``run_id`` for writing from every rank of ``group`` (collective).
 
@@ -342,21 +374,56 @@ def open_distributed(
     how much longer than ``timeout`` the other ranks wait for the outcome of
     the open, which includes the deep check of the resume point).
 
+    Two tiers (``local_tier="/nvme/ckpt"``, ``docs/tiers.md`` "Many ranks"): ``url`` is the
+    durable tier; rank ``r`` keeps its local tier in ``<local_tier>/rank-<r>`` on its own
+    node's disk, holding its own part of every save under the same commit record bytes as
+    the durable commit. Each rank's background thread uploads its own components; the
+    coordinator's creates the durable commit once every rank's part is listed there. The
+    job resumes from the local tiers only when every rank holds its part of the chosen save
+    verified (all ranks or none, ``resume-tier`` event with every rank's reasons); otherwise
+    every rank reads the durable copy. ``local_keep``, ``replicate_every``,
+    ``max_replication_lag`` and ``close_flush_seconds`` are :meth:`CheckpointStore.open`'s.
+
     Every rank must make the same collective calls (open, each ``save``) in
     the same order, from one thread at a time.
     """
     ch = Channel(group, timeout=timeout, name=P.validate_run_id(run_id))
     try:
+        tiers = None if local_tier is None else _TierArgs(local_tier, local_keep, replicate_every,
+                                                          max_replication_lag, close_flush_seconds)
         args = _OpenArgs(url, run_id, _identity_dict(identity), timeout, save_timeout, storage_options, resume_from,
-                         resume_verify, reshard, retry)
+                         resume_verify, reshard, retry, tiers)
         tag = ch.next()
-        ch.post(tag, "hello", {"identity_digest": identity_digest(args.identity)})
+        hello: dict[str, Any] = {"identity_digest": identity_digest(args.identity)}
+        if tiers is not None and not ch.is_coordinator:
+            # what this rank holds verified in its own local tier, for the coordinator's resume decision
+            held, why = local_holdings(rank_root(tiers.root, ch.rank), args.run_id, ch.rank,
+                                       identity_digest(args.identity), RecordAuth("off", None))
+            hello["local"] = {"held": held, "reasons": why[:20]}
+        ch.post(tag, "hello", hello)
         if ch.is_coordinator:
             return _open_as_coordinator(ch, tag, args)
         return _open_as_member(ch, tag, args)
     except BaseException:
         ch.close()  # stop its heartbeat
         raise
+
+
+@dataclass(frozen=True)
+class _TierArgs:
+    """The two-tier choices of :func:`open_distributed`."""
+
+    root: str | os.PathLike[str]
+    keep: int
+    every: int
+    max_lag: int
+    close_flush: float
+
+    def options(self, rank: int, peers: Mapping[int, Mapping[str, Any]] | None) -> dict[str, Any]:
+        """:meth:`CheckpointStore.open` keywords of rank ``rank``."""
+        return {"local_tier": rank_root(self.root, rank), "tier_rank": rank, "tier_peers": peers,
+                "local_keep": self.keep, "replicate_every": self.every, "max_replication_lag": self.max_lag,
+                "close_flush_seconds": self.close_flush}
 
 
 @dataclass(frozen=True)
@@ -373,6 +440,7 @@ class _OpenArgs:
     resume_verify: Literal["deep", "cheap"]
     reshard: bool
     retry: RetryPolicy | None
+    tiers: _TierArgs | None = None
 
 
 def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
@@ -382,16 +450,19 @@ def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
     resharded: dict[str, Any] | None = None
     err: BaseException | None = None
     try:
-        hellos = ch.gather(tag, "hello")
+        # tiered: each rank re-hashes its newest local parts before it says hello (bounded like a save)
+        hellos = ch.gather(tag, "hello", timeout=a.timeout + a.save_timeout if a.tiers is not None else None)
         mine = identity_digest(a.identity)
         other = sorted(r for r, h in hellos.items() if h.get("identity_digest") != mine)
         if other:
             raise InvalidInputError(
                 f"run {a.run_id!r}: rank(s) {', '.join(map(str, other))} opened it with another identity than rank 0"
             )
+        peers = {r: dict(h.get("local") or {}) for r, h in sorted(hellos.items()) if r != ch.rank}
         store, resharded = _coordinator_open(
             a.url, a.run_id, a.identity, ch.world_size, storage_options=a.storage_options, resume_from=a.resume_from,
             resume_verify=a.resume_verify, reshard=a.reshard, retry=a.retry,
+            tiered=a.tiers.options(0, peers) if a.tiers is not None else {},
         )
         assert store.attempt is not None
         outcome: dict[str, Any] = {
@@ -435,9 +506,12 @@ def _open_as_member(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
         member = CheckpointStore.open(
             a.url, a.run_id, identity=outcome["identity"], join_attempt=int(outcome["attempt"]),
             storage_options=a.storage_options, retry=a.retry,
+            **(a.tiers.options(ch.rank, None) if a.tiers is not None else {}),
         )
         if outcome["resumed_from"] is not None and member.resumed_from is None:
-            member.resumed_from = _ref_from_json(member, outcome["resumed_from"])
+            # the coordinator's tier decision holds on every rank (all ranks local, or all durable)
+            tier = str(outcome["resumed_from"].get("tier", "durable")) if member.tiered else "durable"
+            member.adopt_resume_point(replace(_ref_from_json(member, outcome["resumed_from"]), tier=tier))
         ch.post(tag, "joined", {"ok": True})
     except Exception as exc:
         ch.post(tag, "joined", {"ok": False, "error": error_to_json(CkptStoreError(f"rank {ch.rank}: {exc}"))})
@@ -462,6 +536,7 @@ def _coordinator_open(
     resume_verify: Literal["deep", "cheap"],
     reshard: bool,
     retry: RetryPolicy | None,
+    tiered: Mapping[str, Any],
 ) -> tuple[CheckpointStore, dict[str, Any] | None]:
     want = ident.get("world_size")
     if want is not None and want != world_size:
@@ -473,6 +548,7 @@ def _coordinator_open(
         return CheckpointStore.open(
             url, run_id, identity=identity, storage_options=storage_options, resume_from=resume_from,
             retry=retry, resume_verify=resume_verify, single_writer=True,  # the job's one coordinator
+            **tiered,
         )
 
     resharded: dict[str, Any] | None = None

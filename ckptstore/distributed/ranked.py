@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -118,6 +119,28 @@ class RankStore:
 
     def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
         self.run.store.read_into(ref, self.prefix + name, out)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the job was opened with a ``local_tier`` (``docs/tiers.md`` "Many ranks")."""
+        return self.run.store.tiered
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        """Collective (a preemption, the end of training): every rank queues its
+        part of the newest local save and waits up to ``timeout`` seconds for it
+        to be uploaded; the coordinator waits for the durable commit. Every rank
+        returns the coordinator's answer: True when that save is committed in the
+        durable tier (False too when the coordinator cannot be heard)."""
+        run = self.run
+        mine = run.store.make_durable(timeout)
+        ch = run.channel
+        tag = ch.next()
+        try:
+            out = ch.exchange_from_coordinator(tag, "durable", {"durable": mine} if run.is_coordinator else None,
+                                               timeout=(timeout or 0.0) + ch.timeout)
+        except CkptStoreError:
+            return False
+        return out.get("durable") is True
 
     def agree_preemption(self, flag: bool) -> bool:
         """The job's agreed preemption flag (collective; :meth:`DistributedRun.agree_preemption`)."""
@@ -259,7 +282,8 @@ class RankStore:
         if not run.is_coordinator:
             old = run.store
             try:
-                new = CheckpointStore.open(old.backend, old.run_id, identity=old.identity, join_attempt=attempt)
+                new = CheckpointStore(old.backend, old.run_id, replace(
+                    old.options, identity=old.identity, mode="w", join_attempt=attempt, tier_peers=None))
             except CkptStoreError as exc:
                 raise CkptStoreError(
                     f"rank {run.rank}: cannot join the fallback attempt {attempt} of run {old.run_id!r}: {exc}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..backends.local import LocalBackend
 from ..core.bounded_io import RunIO
-from ..core.catalog import Catalog
+from ..core.catalog import Catalog, Scan
 from ..core.collector import GcReport, collect
 from ..core.fencing import AttemptLog, AttemptView
 from ..core.pieces import PieceTiming, PieceWriter
@@ -44,8 +44,10 @@ class LocalTier:
 
     def __init__(
         self, root: str | os.PathLike[str], run_id: str, durable_attempts: AttemptLog, identity_digest: str,
-        auth: RecordAuth, retry: RetryPolicy | None,
+        auth: RecordAuth, retry: RetryPolicy | None, part: int | None = None,
     ) -> None:
+        #: the rank whose part this tier holds (a multi-rank job, ``tiers.parts``); None: whole saves
+        self.part = part
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.backend = LocalBackend(self.root)
@@ -56,9 +58,9 @@ class LocalTier:
         self.auth = auth
         self.attempts = AttemptLog(self.io, auth)
         #: selection: local saves judged by the durable attempt records
-        self.catalog = Catalog(self.io, durable_attempts, identity_digest)
+        self.catalog = self._catalog(durable_attempts)
         #: local gc: local saves judged by the local mirror only
-        self.own_catalog = Catalog(self.io, self.attempts, identity_digest)
+        self.own_catalog = self._catalog(self.attempts)
         #: why the local tier was set aside at open (None when it was usable)
         self.quarantined: str | None = None
 
@@ -72,8 +74,13 @@ class LocalTier:
             os.replace(src, dest)
         self.quarantined = why
         self.attempts = AttemptLog(self.io, self.auth)
-        self.own_catalog = Catalog(self.io, self.attempts, self.identity_digest)
-        self.catalog = Catalog(self.io, self.durable_attempts, self.identity_digest)
+        self.own_catalog = self._catalog(self.attempts)
+        self.catalog = self._catalog(self.durable_attempts)
+
+    def _catalog(self, attempts: AttemptLog) -> Catalog:
+        cat = Catalog(self.io, attempts, self.identity_digest)
+        cat.part = self.part
+        return cat
 
     def _copy(self, key: str, data: bytes, what: str) -> bool:
         """Create ``key`` locally with ``data``; False when a different object is already there."""
@@ -147,6 +154,21 @@ class LocalTier:
             reasons.append(f"step {ref.step}: manifest digest differs from the durable commit's (a foreign copy)")
             return None, reasons
         return replace(ref, tier="local"), reasons
+
+    def candidate(self, step: int, attempt: int, view: AttemptView, deep: bool) -> SaveRef | None:
+        """The local commit ``(step, attempt)`` when :meth:`select` would accept
+        it (judged by the durable attempt records ``view``, its part verified,
+        written by the writer that registered its attempt), else None. For a
+        resume point older than the newest local one (many ranks: the newest
+        every rank holds)."""
+        try:
+            c = self.catalog.evaluate(step, attempt, Scan({}, {}, view, saves_listed=False), deep)
+        except CkptStoreError:
+            return None
+        registered = view.records.get(attempt)
+        if c.ref is None or registered is None or registered.writer_id != c.ref.record.writer_id:
+            return None
+        return replace(c.ref, tier="local")
 
     def explain(self, durable: Selection, chosen: SaveRef | None, reasons: list[str]) -> Selection:
         notes = (*durable.notes, *(f"local tier: {r}" for r in reasons[:20]))

@@ -311,12 +311,16 @@ class Replicator:
         on_component: Callable[[str], None] | None = None,
         intent: DurableIntent | None = None,
         early: EarlyUploads | None = None,
+        copy: Callable[[RunIO, RunIO, AttemptLog, SaveRef, Callable[[str], None] | None], bool] | None = None,
     ) -> None:
         self.local, self.durable, self.attempts = local, durable, attempts
         #: uploads of components begun before their save was committed locally
         self.early = early
         #: version 3: the save intent that protects the durable pieces a replication reuses
         self.intent = intent
+        #: the step that makes one save durable in place of :func:`copy_save` (one rank of many:
+        #: ``tiers.parts``; it takes neither ``intent`` nor ``early``)
+        self.copy = copy
         self.every, self.max_lag, self.retry = every, max_lag, retry
         self._record, self._after, self._on_component = record, after, on_component
         self._s = _State()
@@ -472,8 +476,11 @@ class Replicator:
                     return
             t0 = time.perf_counter()
             try:
-                created = copy_save(self.local, self.durable, self.attempts, ref, self._on_component,
-                                    intent=self.intent, early=early)
+                if self.copy is not None:
+                    created = self.copy(self.local, self.durable, self.attempts, ref, self._on_component)
+                else:
+                    created = copy_save(self.local, self.durable, self.attempts, ref, self._on_component,
+                                        intent=self.intent, early=early)
                 early = None  # a retry uploads everything again
             except SupersededError as exc:
                 with self._cond:

@@ -9,7 +9,10 @@ delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
   point) every component re-hashed; the decision is recorded as ``resume-tier``;
 * read: a save held by both tiers is read locally, each component falling back
   to the durable copy when the local one does not verify;
-* gc: each tier on its own.
+* gc: each tier on its own;
+* many ranks (``rank`` set, :mod:`.parts`): the local tier holds this rank's
+  part of each save under the coordinator's record bytes; the coordinator's
+  resume point is local only when every other rank (``peers``) holds it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..core.pieces import PieceTiming, PieceWriter
 from ..core.reader import Reader
 from ..core.record_auth import RecordAuth
 from ..core.resume_point import resume_point
-from ..core.writer import StagedSave, WriterContext, publish
+from ..core.writer import StagedSave, WriterContext, publish, publish_part, seal_record
 from ..errors import (
     CkptStoreError,
     CorruptionError,
@@ -39,11 +42,12 @@ from ..errors import (
     StoreUnavailableError,
     TransientError,
 )
-from ..protocol import AttemptRecord, ComponentEntry, run_record_key
+from ..protocol import AttemptRecord, CommitRecord, ComponentEntry, run_record_key
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
 from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
+from .parts import PartCopier
 from .replicator import EarlyUploads, ReplicationStatus, Replicator
 
 T = TypeVar("T")
@@ -119,13 +123,21 @@ class TierSet:
         self, root: str | os.PathLike[str], durable_io: RunIO, durable_attempts: AttemptLog, ledger: Ledger,
         identity_digest: str, auth: RecordAuth, retry: RetryPolicy | None, *, keep: int, every: int, max_lag: int,
         piece_timing: PieceTiming | None = None, early: bool = False,
+        rank: int | None = None, peers: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
         self.durable_io = durable_io
         self.durable_attempts = durable_attempts
         self.ledger = ledger
         self.retry = retry or RetryPolicy()
         self.keep, self.every, self.max_lag = keep, every, max_lag
-        self.local = LocalTier(root, durable_io.run_id, durable_attempts, identity_digest, auth, retry)
+        #: this process's rank in a multi-rank job (its local tier holds its part, ``tiers.parts``); None: one process
+        self.rank = rank
+        #: the coordinator of a multi-rank job: every other rank's report of what it holds verified locally
+        #: (``{rank: {"held": [{"step", "attempt", "save_id", "manifest_digest"}, ...], "reasons": [...]}}``)
+        self.peers = dict(peers) if peers is not None else None
+        #: the newest step this process's local tier could have resumed from (before the all-ranks check)
+        self._local_newest: int | None = None
+        self.local = LocalTier(root, durable_io.run_id, durable_attempts, identity_digest, auth, retry, part=rank)
         self.local.io.layout_or_none = durable_io.layout  # the durable run record decides the naming
         self.reader = Reader(self.local.catalog)
         self.replicator: Replicator | None = None
@@ -144,7 +156,8 @@ class TierSet:
         #: version 3: the replicator's save intent in the durable tier
         self.durable_intent: DurableIntent | None = None
         #: components copied to the durable tier while their save is still written locally
-        self.early = EarlyUploads(self.local.io, durable_io) if early else None
+        # (one process only: a rank of many copies its part after the local commit, ``tiers.parts``)
+        self.early = EarlyUploads(self.local.io, durable_io) if early and rank is None else None
 
     # ------------------------------------------------------------------ open
     def prepare(self, view: AttemptView) -> None:
@@ -162,6 +175,12 @@ class TierSet:
         except ResumeRefusedError as exc:
             refused = exc
         local, reasons = self.local.select(deep, view, durable)
+        self._local_newest = local.step if local is not None else None
+        if local is not None and self.peers is not None:
+            newest = local
+            local = self._held_by_all(local, reasons)
+            if local is None:
+                local = self._older_held_by_all(newest, durable, view, deep, reasons)
         self._local_reasons = reasons
         if refused is not None and local is None:
             raise refused
@@ -169,19 +188,48 @@ class TierSet:
             return replace(local, tier="both")
         return local if _newer(local, durable) else durable
 
+    def _held_by_all(self, local: SaveRef, reasons: list[str]) -> SaveRef | None:
+        """``local`` when every other rank reported its part of that exact record
+        verified in its own local tier (all ranks or none), else None."""
+        assert self.peers is not None
+        lacking = []
+        for r, report in sorted(self.peers.items()):
+            held = report.get("held") or []
+            if not any(isinstance(h, Mapping) and h.get("manifest_digest") == local.manifest_digest
+                       and h.get("save_id") == local.save_id for h in held):
+                lacking.append(r)
+        if not lacking:
+            return local
+        reasons.append(f"step {local.step}: rank(s) {lacking} do not hold their part verified locally; "
+                       "every rank reads the durable copy (all ranks or none)")
+        return None
+
+    def _older_held_by_all(self, newest: SaveRef, durable: SaveRef | None, view: AttemptView, deep: bool,
+                           reasons: list[str]) -> SaveRef | None:
+        """The newest save older than ``newest`` and newer than ``durable`` that
+        every other rank reported holding verified and this tier accepts."""
+        assert self.peers is not None
+        common: set[tuple[int, int, str, str]] | None = None
+        for report in self.peers.values():
+            mine = {(int(h["step"]), int(h["attempt"]), str(h["save_id"]), str(h["manifest_digest"]))
+                    for h in (report.get("held") or []) if isinstance(h, Mapping)
+                    and isinstance(h.get("step"), int) and isinstance(h.get("attempt"), int)}
+            common = mine if common is None else common & mine
+        floor = (durable.step, durable.attempt) if durable is not None else (-1, -1)
+        for step, attempt, sid, digest in sorted(common or (), reverse=True):
+            if not floor < (step, attempt) < (newest.step, newest.attempt):
+                continue
+            ref = self.local.candidate(step, attempt, view, deep)
+            if ref is not None and (ref.save_id, ref.manifest_digest) == (sid, digest):
+                reasons.append(f"step {step}: every rank holds its part verified locally")
+                return ref
+        return None
+
     def start(self, attempt: AttemptRecord, writer_id: str, resumed: SaveRef | None, durable_newest: int | None) -> None:
         """After registration: mirror the new attempt, record ``resume-tier``,
         start replicating (the resumed save first when only the local tier has it)."""
-        self.attempt, self.writer_id = attempt, writer_id
-        self.local.add_attempt(attempt)
-        if self.durable_io.layout.pieces:
-            self._start_pieces(attempt, resumed)
-        self.replicator = Replicator(
-            self.local.io, self.durable_io, self.durable_attempts, every=self.every, max_lag=self.max_lag,
-            retry=self.retry, record=lambda k, p: self.record(k, p), after=self._retain,
-            on_component=lambda n: self.on_component(n) if self.on_component is not None else None,
-            intent=self.durable_intent, early=self.early,
-        )
+        self.join(attempt, writer_id, resumed)
+        assert self.replicator is not None
         if resumed is not None and resumed.tier != "local":
             self.replicator.mark_durable(resumed)
         self.resume_decision = {
@@ -192,6 +240,12 @@ class TierSet:
             "local_reasons": self._local_reasons[:20],
             "steps_lost_with_local_tier": self._steps_lost(resumed),
         }
+        if self.peers is not None:
+            self.resume_decision["world_size"] = len(self.peers) + 1
+            self.resume_decision["ranks"] = {  # per rank: the steps it holds verified, why others were refused
+                str(r): {"held_steps": [h.get("step") for h in (rep.get("held") or []) if isinstance(h, Mapping)][:5],
+                         "reasons": [str(x)[:300] for x in (rep.get("reasons") or [])][:5]}
+                for r, rep in sorted(self.peers.items())}
         self.record("resume-tier", self.resume_decision)
         if resumed is not None and resumed.tier == "local":
             self.replicator.submit(resumed, force=True)
@@ -208,6 +262,31 @@ class TierSet:
         if resumed is not None and resumed.tier in ("durable", "both"):
             self.durable_intent.learn(resumed.record)
 
+    def join(self, attempt: AttemptRecord, writer_id: str, resumed: SaveRef | None = None) -> None:
+        """Mirror ``attempt`` and start the replicator (a member rank joins the
+        coordinator's attempt this way; :meth:`start` for the registering process)."""
+        self.attempt, self.writer_id = attempt, writer_id
+        self.local.add_attempt(attempt)
+        if self.durable_io.layout.pieces:
+            self._start_pieces(attempt, resumed)
+        self.replicator = Replicator(
+            self.local.io, self.durable_io, self.durable_attempts, every=self.every, max_lag=self.max_lag,
+            retry=self.retry, record=lambda k, p: self.record(k, p), after=self._retain,
+            on_component=lambda n: self.on_component(n) if self.on_component is not None else None,
+            intent=self.durable_intent, early=self.early,
+            copy=PartCopier(self.rank) if self.rank is not None else None,
+        )
+
+    def resume_from(self, ref: SaveRef) -> None:
+        """A member rank learnt the job's resume point: the coordinator's tier
+        decision holds here too; a save only the local tiers hold is queued for
+        replication (this rank's part)."""
+        assert self.replicator is not None
+        if ref.tier == "local":
+            self.replicator.submit(ref, force=True)
+        else:
+            self.replicator.mark_durable(ref)
+
     def _steps_lost(self, resumed: SaveRef | None) -> int:
         """Steps between the newest save the ledger knows of and the resume point."""
         try:
@@ -217,6 +296,8 @@ class TierSet:
         newest = max((int(e.payload["step"]) for e in events
                       if e.event in ("save", "replicated", "replication-skipped", "preempted")
                       and isinstance(e.payload.get("step"), int)), default=None)
+        if self._local_newest is not None:  # a newer local step not every rank held (many ranks)
+            newest = self._local_newest if newest is None else max(newest, self._local_newest)
         if newest is None:
             return 0
         return max(0, newest - (resumed.step if resumed is not None else -1))
@@ -234,6 +315,10 @@ class TierSet:
             self.durable_intent.forget()
 
     def record(self, kind: str, payload: Mapping[str, Any]) -> None:
+        if self.rank is not None and self.rank != 0:
+            # a member's replicator uploads its part only: the durable commit is the coordinator's "replicated"
+            kind = "replicated-part" if kind == "replicated" else kind
+            payload = {**payload, "rank": self.rank}
         self.ledger.append(kind, payload, self.attempt.number if self.attempt else None)
 
     # ------------------------------------------------------------------ save
@@ -252,9 +337,30 @@ class TierSet:
     ) -> SaveRef:
         """Publish locally (the local backend's atomic commit), queue for replication."""
         assert self.attempt is not None and self.replicator is not None
-        ref = publish(self.local.writer(self.attempt, self.writer_id, self.pieces), step, save_id, components,
-                      metadata=metadata,
-                      ranks=ranks, world_size=world_size, expect=expect)
+        ctx = self.local.writer(self.attempt, self.writer_id, self.pieces)
+        if self.rank is not None and ranks is not None:
+            # many ranks: the coordinator seals the one record and publishes its own part here;
+            # every other rank publishes the same bytes for its part (publish_record)
+            rec = seal_record(ctx, step, save_id, components, metadata=metadata, ranks=ranks, world_size=world_size)
+            ref = publish_part(ctx, rec, list(ranks.get(self.rank, ())))
+        else:
+            ref = publish(ctx, step, save_id, components, metadata=metadata, ranks=ranks, world_size=world_size,
+                          expect=expect)
+        return self._published(ref)
+
+    def publish_record(self, data: bytes) -> SaveRef:
+        """A member rank: publish the coordinator's commit record (its exact
+        bytes) in this rank's local tier for this rank's part, queue it for
+        replication."""
+        assert self.attempt is not None and self.rank is not None
+        rec = CommitRecord.decode(data, "the coordinator's commit record", run_id=self.durable_io.run_id)
+        if rec.encode() != data:
+            raise CorruptionError("the coordinator's commit record is not in canonical form; not published")
+        ctx = self.local.writer(self.attempt, self.writer_id)
+        return self._published(publish_part(ctx, rec, sorted((rec.ranks or {}).get(self.rank, ()))))
+
+    def _published(self, ref: SaveRef) -> SaveRef:
+        assert self.replicator is not None
         ref = replace(ref, tier="local")
         self.last_local = ref
         self.replicator.submit(ref)

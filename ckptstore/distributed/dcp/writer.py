@@ -103,6 +103,12 @@ class StoreWriter(StorageWriter):
         self.store = store_of(target)
         if self.store.mode != "w":
             raise InvalidInputError("StoreWriter needs a store opened for writing")
+        if self.store.tiered and self.store.options.tier_rank is not None:
+            # DCP publishes on the coordinator alone: the other ranks never learn the record, so their parts
+            # would never be committed locally nor replicated (docs/tiers.md "Many ranks")
+            raise InvalidInputError("the DCP StoreWriter on a two-tier job of many ranks (open_distributed(..., "
+                                    "local_tier=...)) is not supported yet; open the job without local_tier, or "
+                                    "save per rank with Checkpointer(RankStore(run))")
         self.step = None if step is None else P.validate_step(step)
         self.thread_count = max(1, int(thread_count))
         self.metadata = dict(metadata or {})

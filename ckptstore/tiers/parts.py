@@ -1,0 +1,155 @@
+"""Two tiers on many ranks (PROTOCOL.md §"Tiers", ``docs/tiers.md`` "Many ranks").
+
+Folder rule: rank ``r`` of a job keeps its local tier in ``<local_tier>/rank-<r>``
+(:func:`rank_root`), so two ranks of one node never share a directory or a
+commit. Every rank's local commit record is the same bytes as the durable one
+(sealed once by the coordinator); a rank's local tier holds only its *part*,
+the components the record's ``ranks`` map gives it, and its selection checks
+and verifies only those (:attr:`ckptstore.core.catalog.Catalog.part`).
+
+* :func:`local_holdings`: what a rank reports to the coordinator before the
+  job's attempt is registered — the newest local commits whose part verifies
+  (every byte re-hashed); the coordinator resumes from the local tiers only
+  when every rank holds the chosen save's exact record (manifest digest).
+* :class:`PartCopier`: the replication step of one rank: upload its own
+  components (:func:`~ckptstore.tiers.replicator.upload_components`); on the
+  coordinator, then wait until the durable save folder lists every component
+  of the record with its size, and create the durable commit
+  (:func:`~ckptstore.tiers.replicator.commit_durable`). A rank that never
+  uploads never leads to a durable commit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..backends.local import LocalBackend
+from ..core.binding import read_run_record
+from ..core.bounded_io import RunIO
+from ..core.catalog import Catalog, part_names
+from ..core.commit_names import CommitKeys
+from ..core.fencing import AttemptLog
+from ..core.record_auth import RecordAuth
+from ..errors import CkptStoreError, TransientError
+from ..protocol import save_prefix
+from ..protocol.selection import SaveRef
+from .replicator import commit_durable, upload_components
+
+#: the newest local commits a rank reports as verified (each costs a re-hash of its part at open)
+MAX_HOLDINGS = 2
+#: local commit records looked at, at most, to find them
+MAX_LOOKED_AT = 16
+#: seconds the coordinator's replicator waits for the other ranks' parts in one try
+PART_WAIT_SECONDS = 2.0
+_POLL = 0.05
+
+
+class PartsMissingError(TransientError):
+    """The durable save folder does not yet list every rank's components (retried)."""
+
+
+def rank_root(local_tier: str | os.PathLike[str], rank: int) -> Path:
+    """The local tier directory of rank ``rank`` under the job's ``local_tier``."""
+    if rank < 0:
+        raise ValueError("rank must be >= 0")
+    return Path(local_tier) / f"rank-{rank}"
+
+
+def local_holdings(root: str | os.PathLike[str], run_id: str, rank: int, identity_digest: str,
+                   auth: RecordAuth, limit: int = MAX_HOLDINGS) -> tuple[list[dict[str, Any]], list[str]]:
+    """The newest (at most ``limit``) commits of ``run_id`` in the local tier
+    ``root`` whose part for ``rank`` verifies (sizes and BLAKE3), as
+    ``{"step", "attempt", "save_id", "manifest_digest"}``, and the reasons the
+    others looked at did not. Reads only the local directory; never raises for
+    a bad or missing local tier (an empty answer)."""
+    held: list[dict[str, Any]] = []
+    reasons: list[str] = []
+    path = Path(root)
+    if not (path / run_id).is_dir():
+        return held, [f"rank {rank}: no local tier of this run at {path}"]
+    backend = LocalBackend(path)
+    try:
+        io = RunIO(backend, run_id, None)
+        read_run_record(io, None)  # the local copy of the durable run record: the layout of its names
+        catalog = Catalog(io, AttemptLog(io, auth), identity_digest)
+        catalog.part = rank
+        for looked, (step, attempt) in enumerate(CommitKeys(io).newest_first()):
+            if looked >= MAX_LOOKED_AT or len(held) >= limit:
+                break
+            try:
+                rec = catalog.load_commit(step, attempt)
+                if rec.identity_digest != identity_digest:
+                    reasons.append(f"rank {rank}: step {step} attempt {attempt}: another identity's commit")
+                    continue
+                if not part_names(rec, rank) and rec.ranks is not None:
+                    reasons.append(f"rank {rank}: step {step} attempt {attempt}: the record gives this rank no part")
+                    continue
+                problems = catalog.check_components(rec, None, True)
+            except (CkptStoreError, OSError) as exc:
+                reasons.append(f"rank {rank}: step {step} attempt {attempt}: {exc}"[:300])
+                continue
+            if problems:
+                reasons.append(f"rank {rank}: step {step} attempt {attempt}: {problems[0][1]}"[:300])
+                continue
+            held.append({"step": step, "attempt": attempt, "save_id": rec.save_id,
+                         "manifest_digest": rec.manifest_digest()})
+    except (CkptStoreError, OSError, ValueError) as exc:
+        reasons.append(f"rank {rank}: local tier unreadable: {exc}"[:300])
+    finally:
+        backend.close()
+    return held, reasons
+
+
+class PartCopier:
+    """The replication step of one rank of a multi-rank tiered job (see the
+    module docstring); a drop-in for :func:`~ckptstore.tiers.replicator.copy_save`.
+    Returns True when this call created the durable commit record."""
+
+    def __init__(self, rank: int, *, wait_seconds: float = PART_WAIT_SECONDS) -> None:
+        self.rank = rank
+        self.wait_seconds = wait_seconds
+        self._uploaded: set[str] = set()  # save IDs whose part this process uploaded and checked
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def __call__(self, local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
+                 on_component: Callable[[str], None] | None = None) -> bool:
+        rec = ref.record
+        attempts.check_not_superseded(attempts.read(rec.attempt), rec.step, committed=False)  # a zombie uploads nothing
+        mine = part_names(rec, self.rank)
+        if rec.save_id not in self._uploaded:
+            upload_components(local, durable, ref, sorted(mine) if mine is not None else None, on_component)
+            self._uploaded.add(rec.save_id)
+            while len(self._uploaded) > 64:
+                self._uploaded.pop()
+        if not self.is_coordinator:
+            return False  # the coordinator's replicator commits once every part is in
+        self.wait_for_parts(durable, ref)
+        created = commit_durable(durable, attempts, ref)
+        self._uploaded.discard(rec.save_id)
+        return created
+
+    def wait_for_parts(self, durable: RunIO, ref: SaveRef) -> None:
+        """Until every component of ``ref`` is listed in the durable save folder
+        with its recorded size (:class:`PartsMissingError` after ``wait_seconds``;
+        the replicator retries it with its backoff and skip rules)."""
+        rec = ref.record
+        prefix = save_prefix(durable.run_id, rec.save_id)
+        end = time.monotonic() + self.wait_seconds
+        while True:
+            listed = {o.key[len(prefix):]: o.size for o in durable.list(prefix)}
+            missing = sorted(n for n, c in rec.components.items() if listed.get(n) != c.size)
+            if not missing:
+                return
+            if time.monotonic() >= end:
+                owners = sorted({r for r, names in (rec.ranks or {}).items() if set(names) & set(missing)})
+                raise PartsMissingError(
+                    f"step {rec.step}: {len(missing)} component(s) of rank(s) {owners} not yet in the durable tier "
+                    f"(e.g. {missing[0]!r}); no durable commit until every rank's part is in")
+            time.sleep(_POLL)

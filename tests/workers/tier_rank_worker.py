@@ -1,0 +1,93 @@
+"""One rank of a two-tier multi-rank test job (gloo on 127.0.0.1).
+
+    python tests/workers/tier_rank_worker.py SPEC_JSON
+
+SPEC (tests/workers/dist_launch.py): rank, world, port, url (the durable
+tier), args: ``local`` (the job's local_tier: rank r uses ``<local>/rank-<r>``),
+``steps``, ``every`` (replicate_every), ``flush`` (seconds each rank waits for
+replication after its saves), ``kill`` ({"rank", "step"}: that rank SIGKILLs
+itself when its replicator starts uploading its part of that step).
+Prints ``RESULT <json>`` lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ckptstore.distributed import open_distributed
+from ckptstore.tiers import parts
+from tests.workers.dist_worker import blob, checkpointer, die, emit, err_json, save
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    rank, world = int(spec["rank"]), int(spec["world"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    args: dict[str, Any] = spec.get("args", {})
+    kill = args.get("kill")
+    if kill is not None and int(kill["rank"]) == rank:
+        upload = parts.upload_components
+
+        def killing_upload(local: Any, durable: Any, ref: Any, names: Any = None, on_component: Any = None) -> None:
+            if ref.step == int(kill["step"]):
+                die()  # this rank's part of the step never reaches the durable tier
+            upload(local, durable, ref, names, on_component)
+
+        parts.upload_components = killing_upload  # type: ignore[assignment]
+    ident = {"data_digest": "d", "code_digest": "c", "world_size": world}
+    try:
+        run = open_distributed(
+            spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None, timeout=30, save_timeout=20,
+            local_tier=args["local"],
+            replicate_every=int(args.get("every", 1)), close_flush_seconds=float(args.get("close_flush", 10)),
+        )
+    except Exception as exc:  # noqa: BLE001
+        emit(event="open", **err_json(exc))
+        return
+    ref = run.resumed_from
+    emit(event="open", ok=True, attempt=run.attempt.number, resumed=ref.step if ref else None,
+         tier=ref.tier if ref else None)
+    if ref is not None:
+        try:
+            data = run.store.read(ref, f"rank{rank}/model")
+            emit(event="read", ok=data == blob(ref.step, rank), tier=ref.tier)
+        except Exception as exc:  # noqa: BLE001
+            emit(event="read", **err_json(exc))
+    if "stop" in args:  # Checkpointer(RankStore(run)) on top, unchanged
+        emit(event="ckpt", **checkpointer(run, args))
+        from ckptstore.distributed.ranked import RankStore
+
+        emit(event="durable", ok=RankStore(run).make_durable(20))  # collective: the coordinator's answer
+    for step in args.get("steps", []):
+        emit(event=f"save{step}", **save(run, step, None))
+    if args.get("flush"):
+        flushed = run.store.flush(float(args["flush"]))
+        status = run.store.replication_status()
+        emit(event="flush", ok=flushed, status=status.to_json() if status is not None else None)
+    ch = run.channel
+    tag = ch.next()
+    ch.post(tag, "done", {})
+    if rank == 0:
+        killed = {int(kill["rank"])} if kill is not None else set()
+        with contextlib.suppress(Exception):
+            ch.gather(tag, "done", ranks=[r for r in range(world) if r not in killed], timeout=60)
+    run.close()
+    emit(event="closed", ok=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        sys.exit(3)

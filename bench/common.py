@@ -50,6 +50,7 @@ class Config:
     s3: bool = True
     stem: str = "latest"  # results file names under bench/results/
     s3_max: int = 1000  # longest history copied into moto (10,000 takes minutes)
+    world_sizes: tuple[int, ...] = (2, 4, 8, 16)  # rank counts of the coordination row
 
 
 def parse_size(text: str) -> int:

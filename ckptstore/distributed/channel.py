@@ -423,7 +423,13 @@ class Channel:
                     f"{t:.0f}s (dead, hung or much slower)",
                     missing,
                 )
-            time.sleep(_POLL if now - start < 1.0 else 5 * _POLL)
+            # a short server-side wait on the first missing rank: answers the
+            # moment its message is set (no poll interval on the critical path)
+            pause = _POLL if now - start < 1.0 else 5 * _POLL
+            try:
+                self._store.wait([self._key(tag, what, missing[0])], timedelta(seconds=max(0.001, pause)))
+            except Exception:  # noqa: BLE001 - the wait timed out (or the store is gone: the next check says)
+                pass
 
     def receive(self, tag: str, what: str, *, src: int = 0, timeout: float | None = None) -> dict[str, Any]:
         """Wait for rank ``src``'s message ``what`` (until the deadline, until

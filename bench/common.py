@@ -272,6 +272,15 @@ def _status_field(name: str) -> int:
     raise RuntimeError(f"{name} not in /proc/self/status")
 
 
+def memory_shortfall(need: int, what: str) -> str | None:
+    """None when ``MemAvailable`` covers ``need`` bytes, else why a row is skipped."""
+    avail = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                 if ln.startswith("MemAvailable"))
+    if avail >= need:
+        return None
+    return f"{what} skipped: it needs about {human(need)} of memory, {human(avail)} is available"
+
+
 def reset_hwm() -> bool:
     """Reset VmHWM to the current RSS (``clear_refs`` 5, Linux >= 4.0)."""
     try:

@@ -20,12 +20,21 @@ from collections.abc import Callable
 import torch
 
 from bench import torchstate as ts
-from bench.common import IDENTITY, Config, Measure, Row, human, interleave, rm, scratch, sync
+from bench.common import IDENTITY, Config, Measure, Row, human, interleave, memory_shortfall, rm, scratch, sync
 from ckptstore import CheckpointStore
 from ckptstore.torch import Checkpointer
 
 
+def memory_needed(nbytes: int) -> int:
+    """The row's peak: the live state and three copies of it held at once (the
+    floor's buffers, the Checkpointer's host buffers, DCP's stager cache)."""
+    return 4 * nbytes + nbytes // 3 + (256 << 20)
+
+
 def run(cfg: Config) -> list[Row]:
+    short = memory_shortfall(memory_needed(cfg.size), f"row 3 at {human(cfg.size)}")
+    if short:
+        return [Row("3", f"async save {human(cfg.size)}", "s", None, [], {"bytes": cfg.size}, [short])]
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import async_save

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -54,8 +55,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank: open, ``rounds + 1`` saves, ``rounds + 1`` pairs of dcp.save; its own clock readings."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     from ckptstore.distributed import coordinator, open_distributed
     from ckptstore.distributed.dcp import StoreWriter
@@ -71,9 +72,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                            identity={"bench": "coordination", "world_size": world}, timeout=120, save_timeout=120)
     out["open"] = [t, time.monotonic()]
     phases: dict[str, float] = {}
+    def mark(phase: str) -> Callable[[], None]:
+        return lambda: phases.__setitem__(phase, time.monotonic())
+
     if rank == 0:
         for ph in ("before_gather", "before_publish", "after_publish"):
-            coordinator.at_phase(ph, lambda ph=ph: phases.__setitem__(ph, time.monotonic()))
+            coordinator.at_phase(ph, mark(ph))
     blob = bytes([rank % 251]) * STATE_BYTES
     saves: list[dict[str, Any]] = []
     for step in range(1, rounds + 2):
@@ -101,7 +105,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                       else StoreWriter(run, step=step))
             dist.barrier()
             t = time.monotonic()
-            dcp.save(state, storage_writer=writer)
+            dcp_save(state, storage_writer=writer)
             dist.barrier()
             if rnd > 0:
                 dcp_times[kind].append(time.monotonic() - t)

@@ -17,8 +17,10 @@ measures, on one shared clock (``time.monotonic``, system-wide on Linux):
   (set/get/check/wait/delete, heartbeats excluded), messages (values set) and
   bytes (values set + got), from :attr:`Channel.counters`;
 * ``dcp.save`` of the same tiny state (4 tensors per rank) through the
-  project's ``StoreWriter`` against DCP's ``FileSystemWriter(sync_files=True)``,
-  rank 0's wall clock between barriers, alternating which goes first.
+  project's ``StoreWriter`` against DCP's ``FileSystemWriter(sync_files=True)``
+  made durable like every peer of the suite (rank 0 then fsyncs the
+  checkpoint's files and directories, ``.metadata`` included), rank 0's
+  wall clock between barriers, alternating which goes first.
 
 Medians over ``--repeat`` saves after one warm-up save. The rows' floor is the
 smallest world size (the ratio says how the cost grows); a note gives the
@@ -40,7 +42,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from bench.common import ROOT, Config, Measure, Row, scratch
+from bench.common import ROOT, Config, Measure, Row, fsync_dir, fsync_tree, scratch
 
 STATE_BYTES = 4096
 
@@ -106,6 +108,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             t = time.monotonic()
             dcp_save(state, storage_writer=writer)
+            if kind == "fs" and rank == 0:  # durable like ours: .metadata and the directory entries too
+                fsync_tree(os.path.join(spec["dir"], f"fs-{step}"))
+                fsync_dir(spec["dir"])
             dist.barrier()
             if rnd > 0:
                 dcp_times[kind].append(time.monotonic() - t)
@@ -217,7 +222,7 @@ def run(cfg: Config) -> list[Row]:
                          f"wall time per world size: {', '.join(f'{w}: {wall[w]:.0f} s' for w in sizes)}")
     rows[-1].notes.append("one open per world size (a fresh run): no median")
     for w in sizes:
-        rows.append(Row("9b", f"dcp.save, tiny state, {w} ranks", "s", Measure("FileSystemWriter(sync_files=True)",
+        rows.append(Row("9b", f"dcp.save, tiny state, {w} ranks", "s", Measure("FileSystemWriter(sync_files=True) + fsync of the tree",
                         per[w]["dcp_fs"]), [Measure("ckptstore StoreWriter (published)", per[w]["dcp_store"])],
                         {"world_size": w}))
     return rows

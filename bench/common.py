@@ -50,6 +50,7 @@ class Config:
     s3: bool = True
     stem: str = "latest"  # results file names under bench/results/
     s3_max: int = 1000  # longest history copied into moto (10,000 takes minutes)
+    world_sizes: tuple[int, ...] = (2, 4, 8, 16)  # rank counts of the coordination row
 
 
 def parse_size(text: str) -> int:
@@ -269,6 +270,15 @@ def _status_field(name: str) -> int:
             if line.startswith(name + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{name} not in /proc/self/status")
+
+
+def memory_shortfall(need: int, what: str) -> str | None:
+    """None when ``MemAvailable`` covers ``need`` bytes, else why a row is skipped."""
+    avail = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                 if ln.startswith("MemAvailable"))
+    if avail >= need:
+        return None
+    return f"{what} skipped: it needs about {human(need)} of memory, {human(avail)} is available"
 
 
 def reset_hwm() -> bool:

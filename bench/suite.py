@@ -33,6 +33,7 @@ ROWS = [
     "history",  # 5 and 6: latest_complete() and list_saves() against history length
     "memory",  # 7: peak memory of save and restore
     "restart",  # 8: end to end, restart to the first useful step
+    "coordination",  # 9: the coordinator's cost against world size, dcp.save StoreWriter vs FileSystemWriter
 ]
 
 
@@ -46,13 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--histories", default="100,1000,10000", help="history lengths of row 5")
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) request counts of row 5")
     ap.add_argument("--s3-max", type=int, default=1000, help="longest history of row 5 counted on S3 (moto)")
+    ap.add_argument("--world-sizes", default="2,4,8,16", help="rank counts of the coordination row")
     ap.add_argument("--quick", action="store_true", help="smaller everything (a smoke run)")
     ap.add_argument("--stem", default="latest", help="results file name under bench/results/")
     a = ap.parse_args(argv)
     cfg = Config(
         size=parse_size(a.size), repeat=a.repeat, disk_dir=a.dir or tempfile.gettempdir(), shm_dir=a.shm,
         cold=drop_caches(), quick=a.quick, histories=tuple(int(h) for h in a.histories.split(",")), s3=not a.no_s3,
-        s3_max=a.s3_max, stem=a.stem,
+        s3_max=a.s3_max, stem=a.stem, world_sizes=tuple(int(w) for w in a.world_sizes.split(",")),
     )
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     t0 = time.perf_counter()

@@ -6,7 +6,9 @@ this CPU-only build cannot give: the copy happens in the call, into storages
 the stager caches and reuses, so the call's duration is the blocked time);
 floor: copying every tensor into preallocated buffers. A second row reports
 the time until the save is durable (ckptstore: committed) against a floor of
-copy + raw write+fsync.
+copy + raw write+fsync; a third (3c) the first save of a new Checkpointer,
+with nothing prepared and after ``resume()`` allocated its buffers in the
+background, against the same floor measured in those rounds.
 """
 
 from __future__ import annotations
@@ -18,12 +20,21 @@ from collections.abc import Callable
 import torch
 
 from bench import torchstate as ts
-from bench.common import IDENTITY, Config, Measure, Row, human, interleave, rm, scratch, sync
+from bench.common import IDENTITY, Config, Measure, Row, human, interleave, memory_shortfall, rm, scratch, sync
 from ckptstore import CheckpointStore
 from ckptstore.torch import Checkpointer
 
 
+def memory_needed(nbytes: int) -> int:
+    """The row's peak: the live state and three copies of it held at once (the
+    floor's buffers, the Checkpointer's host buffers, DCP's stager cache)."""
+    return 4 * nbytes + nbytes // 3 + (256 << 20)
+
+
 def run(cfg: Config) -> list[Row]:
+    short = memory_shortfall(memory_needed(cfg.size), f"row 3 at {human(cfg.size)}")
+    if short:
+        return [Row("3", f"async save {human(cfg.size)}", "s", None, [], {"bytes": cfg.size}, [short])]
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import async_save
@@ -85,6 +96,8 @@ def run(cfg: Config) -> list[Row]:
             interleave(contenders, cfg.repeat, warmup=1)  # warm-up: first async save allocates the buffers
         ck.close()
         st.close()
+        ck, stager = None, None  # type: ignore[assignment]  # free their host buffers before row 3c
+        first = first_saves(cfg, d, model, opt, n, src, bufs)
     names = {"ckptstore": "ckptstore Checkpointer (async)", "dcp": "DCP async_save, reused stager"}
     return [
         Row("3", f"async save {human(n)}: loop blocked", "s", Measure("copy into preallocated buffers", blocked["floor"]),
@@ -92,4 +105,46 @@ def run(cfg: Config) -> list[Row]:
             ["first (warm-up) round excluded: both allocate their host buffers then"]),
         Row("3b", f"async save {human(n)}: until durable/committed", "s", Measure("copy + raw write+fsync", durable["floor"]),
             [Measure(names[k], durable[k]) for k in ("ckptstore", "dcp")], {"bytes": n}),
+        Row("3c", f"async save {human(n)}: the first save of a Checkpointer, loop blocked", "s",
+            Measure("copy into preallocated buffers", first["floor"]), [
+                Measure("first save, nothing prepared (no resume(), no step_end before it)", first["cold"]),
+                Measure("first save after resume() (buffers allocated in the background)", first["prepared"]),
+                Measure("  the background allocation itself (off the loop)", first["allocation"]),
+            ], {"bytes": n},
+            ["a fresh Checkpointer on a fresh run each round; after resume() the save waits until the background "
+             "allocation is done (what a few training steps give it), at most 30 s; later saves: row 3"]),
     ]
+
+
+def first_saves(cfg: Config, d: str, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int,
+                src: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """The first async save's loop-blocked time of a new Checkpointer: without
+    any preparation, and after ``resume()`` started the background allocation;
+    the floor (a copy into preallocated buffers) again in the same rounds."""
+    out: dict[str, list[float]] = {"cold": [], "prepared": [], "allocation": [], "floor": []}
+    rounds = max(1, min(cfg.repeat, 3))
+    for r in range(rounds):
+        t = time.perf_counter()
+        for k, v in src.items():
+            bufs[k].copy_(v)
+        out["floor"].append(time.perf_counter() - t)
+        for kind in (("cold", "prepared") if r % 2 == 0 else ("prepared", "cold")):
+            st = CheckpointStore.open(os.path.join(d, "store-first"), f"first-{kind}-{r}", identity=IDENTITY)
+            ck = Checkpointer(st, {"model": model, "optimizer": opt}, async_save=True, handle_signals=False)
+            if kind == "prepared":
+                t = time.perf_counter()
+                assert ck.resume() == 0
+                deadline = t + 30.0
+                while ck.host_buffer_bytes < n and time.perf_counter() < deadline:
+                    time.sleep(0.005)
+                out["allocation"].append(time.perf_counter() - t)
+            sync()
+            with torch.no_grad():
+                t = time.perf_counter()
+                ck.save(1)
+                out[kind].append(time.perf_counter() - t)
+            ck.close()
+            st.close()
+            del ck
+            rm(os.path.join(d, "store-first"))
+    return out

@@ -4,6 +4,14 @@
     ./dev bench study hotspots list_saves [--history 10000]                 # row 6 (tmpfs)
     ./dev bench study hotspots latest [--history 10000]                     # row 5 (tmpfs)
     ./dev bench study hotspots save [--size 256M]                           # row 2: Checkpointer.save (sync)
+    ./dev bench study hotspots resume_parts [--size 256M]                   # row 4 in parts, next to torch.load
+
+``resume_parts`` times, in one process and interleaved over ``--rounds``, the
+default resume's parts (the cheap open, the verified read of every component
+into fresh memory, the fit check, ``load_state_dict``) next to what they are
+made of (faulting in fresh memory of the same size, a raw read, BLAKE3 in
+memory) and torch.load with and without ``load_state_dict``: cProfile sees
+only the calling thread, while the read and the hash run in helper threads.
 
 Prints the top functions by cumulative and by own time.
 """
@@ -18,6 +26,7 @@ import pstats
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -38,7 +47,8 @@ def report(fn: Callable[[], object], top: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["resume", "list_saves", "latest", "save"])
+    ap.add_argument("what", choices=["resume", "resume_parts", "list_saves", "latest", "save"])
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--size", default="256M")
     ap.add_argument("--history", type=int, default=10000)
     ap.add_argument("--verify", default="deep")
@@ -71,6 +81,9 @@ def main() -> None:
             return
         ck.save(1)
         ck.close()
+        if a.what == "resume_parts":
+            print(resume_parts(d, model, opt, a.rounds))
+            return
 
         def resume() -> None:
             s = CheckpointStore.open(d, "prof", identity=IDENTITY, resume_verify=a.verify)
@@ -78,6 +91,80 @@ def main() -> None:
 
         resume()  # warm page cache
         print(report(resume, a.top))
+
+
+def resume_parts(d: str, model: Any, opt: Any, rounds: int) -> str:
+    """Median milliseconds of each part of the default resume and of its peers' (see the module docstring)."""
+    import statistics
+    import time
+
+    import blake3
+    import torch
+
+    from bench import torchstate as ts
+    from bench.common import read_file
+    from ckptstore import CheckpointStore
+    from ckptstore.torch.restore import apply_state, check_fit, read_with_fallback
+    from ckptstore.torch.tensor_read import fresh_buffer
+
+    objs = {"model": model, "optimizer": opt}
+    tpath = os.path.join(d, "t.pt")
+    ts.torch_save(tpath, model, opt)
+    files = [os.path.join(top, f) for top, _, fs in os.walk(os.path.join(d, "prof", "saves")) for f in fs]
+    total = sum(os.path.getsize(f) for f in files)
+    data = ts.buffers(model, opt)
+    out: dict[str, list[float]] = {}
+
+    def note(k: str, t: float) -> float:
+        now = time.perf_counter()
+        out.setdefault(k, []).append((now - t) * 1000)
+        return now
+
+    def ours() -> None:
+        t = time.perf_counter()
+        st = CheckpointStore.open(d, "prof", identity=IDENTITY, resume_verify="cheap")
+        t = note("ours: open (cheap)", t)
+        assert st.resumed_from is not None
+        saved, ref = read_with_fallback(st, st.resumed_from, None, objs)
+        t = note("ours: verified read into fresh memory", t)
+        check_fit(objs, saved, ref)
+        t = note("ours: fit check", t)
+        apply_state(objs, saved.trees)
+        note("ours: load_state_dict", t)
+        st.close()
+
+    def fault() -> None:
+        t = time.perf_counter()
+        b = fresh_buffer(total)
+        b.numpy()[::4096] = 1
+        note("floor part: fault in fresh memory of the save's size", t)
+
+    def raw() -> None:
+        t = time.perf_counter()
+        for f in files:
+            read_file(f)
+        note("floor part: raw read (a reused 8 MiB buffer)", t)
+
+    def hashed() -> None:
+        t = time.perf_counter()
+        for mv in data:
+            blake3.blake3(mv).digest()
+        note("floor part: BLAKE3 in memory", t)
+
+    def tload() -> None:
+        t = time.perf_counter()
+        sd = torch.load(tpath, weights_only=True)
+        t = note("torch.load", t)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        note("torch.load: load_state_dict", t)
+
+    parts = [ours, fault, raw, hashed, tload]
+    with torch.no_grad():
+        for r in range(rounds):
+            for fn in parts[r % len(parts):] + parts[: r % len(parts)]:
+                fn()
+    return "\n".join(f"{k:58s} {statistics.median(v):8.1f} ms" for k, v in out.items())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Importing this package imports torch; the core ``ckptstore`` never does.
 """
 
 from .agreement import PeerLostError
-from .channel import Channel, ChannelError, CoordinatorLostError, RanksFailedError
+from .channel import Channel, ChannelError, CoordinatorLostError, RanksFailedError, StoreCounters
 from .coordinator import DistributedRun, DistributedSave, open_distributed
 from .errors import RemoteError, WorldSizeMismatchError
 
@@ -18,6 +18,7 @@ __all__ = [
     "PeerLostError",
     "RanksFailedError",
     "RemoteError",
+    "StoreCounters",
     "WorldSizeMismatchError",
     "open_distributed",
 ]

@@ -38,6 +38,7 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +50,8 @@ from ..protocol.canonical import canonical_json, decode_json
 from ..shims.torch_private import default_store
 
 _POLL = 0.02
+#: a gather's first pause after a message arrived (doubled up to _POLL while none does)
+_POLL_FIRST = 0.0005
 #: seconds between heartbeats
 BEAT_INTERVAL = 1.0
 #: a rank whose heartbeat stopped this long is dead (normal / after a termination signal)
@@ -143,6 +146,76 @@ def _parse_live(data: bytes, base: str) -> dict[str, list[str]]:
     return out
 
 
+@dataclass(frozen=True)
+class StoreCounters:
+    """What one channel sent through the rendezvous store so far (a snapshot
+    from :attr:`Channel.counters`; subtract two snapshots for one exchange).
+
+    ``requests``: round trips to the store (set, get, check, wait, delete),
+    heartbeats excluded; ``messages``: values set (each one message or
+    live-key record); ``bytes_sent`` / ``bytes_received``: the values' bytes
+    set and got (keys and framing not counted); ``beats``: heartbeat
+    increments (one a second, from the beat thread)."""
+
+    requests: int = 0
+    messages: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    beats: int = 0
+
+    def __sub__(self, other: StoreCounters) -> StoreCounters:
+        return StoreCounters(self.requests - other.requests, self.messages - other.messages,
+                             self.bytes_sent - other.bytes_sent, self.bytes_received - other.bytes_received,
+                             self.beats - other.beats)
+
+
+class _CountingStore:
+    """The rendezvous store, with every call counted into :class:`StoreCounters`."""
+
+    def __init__(self, store: Any) -> None:
+        self._inner = store
+        self._lock = threading.Lock()
+        self._c = [0, 0, 0, 0, 0]  # requests, messages, bytes_sent, bytes_received, beats
+
+    def _count(self, requests: int = 1, messages: int = 0, sent: int = 0, received: int = 0, beats: int = 0) -> None:
+        with self._lock:
+            c = self._c
+            c[0] += requests
+            c[1] += messages
+            c[2] += sent
+            c[3] += received
+            c[4] += beats
+
+    def snapshot(self) -> StoreCounters:
+        with self._lock:
+            return StoreCounters(*self._c)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._count(messages=1, sent=len(value))
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        data: bytes = self._inner.get(key)
+        self._count(received=len(data))
+        return data
+
+    def check(self, keys: list[str]) -> bool:
+        self._count()
+        return bool(self._inner.check(keys))
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self._count()
+        self._inner.wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        self._count(requests=0, beats=1)
+        return int(self._inner.add(key, amount))
+
+    def delete_key(self, key: str) -> bool:
+        self._count()
+        return bool(self._inner.delete_key(key))
+
+
 class Channel:
     """JSON messages among the ranks of ``group`` (default: the world).
 
@@ -161,7 +234,7 @@ class Channel:
         self.timeout = float(timeout)
         #: a rank whose heartbeat stopped this long is given up on (see :meth:`alert`)
         self.dead_after = DEAD_AFTER
-        self._store = default_store()
+        self._store = _CountingStore(default_store())
         gid = hashlib.sha1(",".join(map(str, self.ranks)).encode()).hexdigest()[:10]
         self.base = f"ckptstore/{name}/{gid}"
         self.nonce = agree_nonce(group, self.ranks[0])
@@ -180,6 +253,11 @@ class Channel:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    @property
+    def counters(self) -> StoreCounters:
+        """What this rank's channel sent and read through the rendezvous store so far."""
+        return self._store.snapshot()
 
     def next(self) -> str:
         """A new exchange tag; every rank must call this in the same order.
@@ -312,6 +390,7 @@ class Channel:
         got: dict[int, dict[str, Any]] = {}
         seen: dict[int, tuple[int, float]] = {}
         next_beat_check = start
+        arrived, pause = 0, _POLL_FIRST / 2
         while True:
             for r in want:
                 if r in got:
@@ -347,7 +426,15 @@ class Channel:
                     f"{t:.0f}s (dead, hung or much slower)",
                     missing,
                 )
-            time.sleep(_POLL if now - start < 1.0 else 5 * _POLL)
+            # poll again soon after progress, backing off to the poll interval
+            # while nothing arrives: ranks that finish together are seen within
+            # a millisecond or two, not a whole interval later. (Not the
+            # store's own wait: c10d logs two warning lines per timed-out wait.)
+            if len(got) > arrived:
+                arrived, pause = len(got), _POLL_FIRST
+            else:
+                pause = min(2 * pause, _POLL if now - start < 1.0 else 5 * _POLL)
+            time.sleep(pause)
 
     def receive(self, tag: str, what: str, *, src: int = 0, timeout: float | None = None) -> dict[str, Any]:
         """Wait for rank ``src``'s message ``what`` (until the deadline, until

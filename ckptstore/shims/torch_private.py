@@ -18,19 +18,43 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import (
-    _StorageReaderTransforms as StorageReaderTransforms,
-)
-from torch.distributed.checkpoint.filesystem import (
-    _StorageWriterTransforms as StorageWriterTransforms,
-)
+
+if TYPE_CHECKING:
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+    from torch.distributed.checkpoint.filesystem import (
+        _StorageReaderTransforms as StorageReaderTransforms,
+    )
+    from torch.distributed.checkpoint.filesystem import (
+        _StorageWriterTransforms as StorageWriterTransforms,
+    )
+
+# DCP's names are imported on first use (module ``__getattr__``): importing
+# torch.distributed.checkpoint pulls in DTensor and sympy (0.6 s here), which a
+# process that only uses ckptstore.torch (a restart) should not pay.
+_LAZY = {
+    "narrow_tensor_by_index": ("torch.distributed._shard._utils", "narrow_tensor_by_index"),
+    "ExtensionRegistry": ("torch.distributed.checkpoint._extension", "ExtensionRegistry"),
+    "StreamTransformExtension": ("torch.distributed.checkpoint._extension", "StreamTransformExtension"),
+    "StorageReaderTransforms": ("torch.distributed.checkpoint.filesystem", "_StorageReaderTransforms"),
+    "StorageWriterTransforms": ("torch.distributed.checkpoint.filesystem", "_StorageWriterTransforms"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
 
 #: the torch releases these names were tested with (the extra ``torch`` says ``>=2.4,<3``)
 TESTED = ">=2.4,<3"

@@ -297,6 +297,7 @@ class Checkpointer:
             if self.async_save else None
         )
         self._retain_lock = threading.Lock()
+        self._stepped = False  # whether step_end ran once (it prepares the buffers of what the first step created)
         self._last_save_time = time.monotonic()
         self._last_scheduled_step: int | None = None
         self.saves: list[dict[str, Any]] = []
@@ -426,10 +427,19 @@ class Checkpointer:
             last_save=None if ref is None else save_event(events, ref.save_id),
         )
 
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Bytes of host memory allocated so far for async saves' copies (the
+        idle buffer sets; a set held by a save in flight is not counted)."""
+        if self._queue is None:
+            return 0
+        return sum(b.nbytes for b in list(self._queue.idle))
+
     def _prepare_buffers(self) -> None:
         """Async saves: allocate the first save's host buffers in the background,
         now that the state has its final shapes (after the restore, so its
-        peak memory is not raised by them)."""
+        peak memory is not raised by them; again at the first :meth:`step_end`
+        that saves nothing, for the tensors the first step created)."""
         if self._queue is not None:
             self._buffers.prepare_for(self.objects)
 
@@ -566,6 +576,12 @@ class Checkpointer:
             return True
         if self.due(step):
             self.save(step, **save_kw)
+        elif not self._stepped and self._queue is not None:
+            # the first step created the state resume() could not see (an
+            # optimizer's moments on a fresh run): allocate its host buffers
+            # now, in the background, not in the first save's copy
+            self._prepare_buffers()
+        self._stepped = True
         return False
 
     def _flush_on_preempt(self, step: int, event: str = "preempt-flush") -> None:

@@ -221,6 +221,12 @@ class HostBuffers:
         self._pin = torch.cuda.is_available()
         self._lock = threading.Lock()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers allocated so far."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
     def _new(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
 

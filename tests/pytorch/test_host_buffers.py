@@ -5,6 +5,8 @@ then lands in those buffers with the live values."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,3 +62,40 @@ def test_an_async_checkpointer_saves_the_live_values_after_resume(tmp_path: Path
     with Checkpointer.open(tmp_path, "run", IDENT, live, handle_signals=False) as ck:
         assert ck.resume() == 2
     assert torch.equal(live["model"].weight, objs["model"].weight)  # type: ignore[union-attr, arg-type]
+
+
+def _state_bytes(objs: dict[str, torch.nn.Module | torch.optim.Optimizer]) -> int:
+    return sum(t.numel() * t.element_size() for o in objs.values() for t in flatten(o.state_dict()).tensors.values()
+               if t.numel())
+
+
+def _until(fn: Callable[[], bool], seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not fn():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_on_a_fresh_run_the_first_step_end_prepares_the_optimizer_buffers(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.Adam(model.parameters())
+    objs: dict[str, torch.nn.Module | torch.optim.Optimizer] = {"model": model, "optimizer": opt}
+    with Checkpointer.open(tmp_path, "run", IDENT, objs, every_steps=10, handle_signals=False) as ck:
+        assert ck.resume() == 0  # nothing to resume: Adam has no moments yet, only the model's buffers
+        model_bytes = _state_bytes({"model": model})
+        assert _until(lambda: ck.host_buffer_bytes == model_bytes)
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()  # the moments exist now
+        assert not ck.step_end(0)  # not due: the moments' buffers are allocated in the background
+        assert _until(lambda: ck.host_buffer_bytes >= _state_bytes(objs))
+        ck.save(1)  # copies into them (only the small RNG-state tensors are left to the save itself)
+        ck.wait()
+    live = torch.nn.Linear(64, 32)
+    live_opt = torch.optim.Adam(live.parameters())
+    with Checkpointer.open(tmp_path, "run", IDENT, {"model": live, "optimizer": live_opt}, handle_signals=False) as ck:
+        assert ck.resume() == 2
+    assert torch.equal(live.weight, model.weight)
+    assert torch.equal(live_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])

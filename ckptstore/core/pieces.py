@@ -19,7 +19,7 @@ from typing import Any
 
 import blake3
 
-from ..backends.base import Backend
+from ..backends.base import Backend, PendingPut
 from ..errors import CkptStoreError, CorruptionError, NotFoundError, SaveAbortedError
 from ..protocol import CommitRecord, ComponentEntry
 from ..protocol.layout import (
@@ -40,6 +40,8 @@ from .hashing import CHUNK, iter_chunks
 Problems = list[tuple[SkipReason, str]]
 #: Pieces uploaded at the same time by one ``put``.
 UPLOAD_CONCURRENCY = 4
+#: Pieces written before their fsyncs are issued together (``Backend.settle``).
+SETTLE_BATCH = 32
 #: An intent older than this share of its lifetime is renewed before a save relies on it.
 RENEW_SHARE = 0.5
 
@@ -246,7 +248,8 @@ class SavePieces:
         run already holds it, else uploaded under this save."""
         io = self.owner.io
         refs: list[PieceRef] = []
-        pending: list[Future[None]] = []
+        pending: list[Future[PendingPut]] = []
+        landed: list[PendingPut] = []
         pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="ckptstore-piece")
         try:
             for piece in cut_pieces(iter_chunks(data, None)):
@@ -263,17 +266,30 @@ class SavePieces:
                         self.written.setdefault(digest, ref)
                     if first:
                         key = piece_key(io.run_id, self.save_id, digest)
-                        pending.append(pool.submit(io.retry.call, partial(io.backend.put, key, [piece])))
+                        pending.append(pool.submit(io.retry.call, partial(io.backend.put_deferred, key, [piece])))
                         self.written_bytes += size
                         while len(pending) >= 2 * UPLOAD_CONCURRENCY:
-                            pending.pop(0).result()
+                            landed.append(pending.pop(0).result())
+                        if len(landed) >= SETTLE_BATCH:
+                            io.backend.settle(landed)
+                            landed = []
                 else:
                     self.reused_bytes += size
                 refs.append(ref)
-            for f in pending:
-                f.result()
+            while pending:
+                landed.append(pending.pop(0).result())
+            io.backend.settle(landed)  # every piece of the component durable before put returns
+            landed = []
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            for f in pending:  # a failed put: what landed is settled (closed) anyway, best effort
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    landed.append(f.result())
+            if landed:
+                try:
+                    io.backend.settle(landed)
+                except Exception:  # noqa: BLE001 - the put failed already; its error is the one raised
+                    pass
         return ComponentEntry(name, sum(p.size for p in refs), pieces_digest(refs), tuple(refs))
 
     def check_before_publish(self, components: Mapping[str, ComponentEntry]) -> None:
@@ -382,12 +398,11 @@ def iter_pieced(io: RunIO, comp: ComponentEntry, label: str, chunk: int = CHUNK)
 
 
 def read_pieced_into(io: RunIO, comp: ComponentEntry, label: str, out: memoryview) -> None:
-    """Fill ``out`` (exactly the component's size) piece by piece, each verified."""
-    off = 0
-    for p in comp.pieces or ():
-        io.read_verified_into(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p),
-                              f"{label}, piece {p.digest[:16]}", out[off : off + p.size])
-        off += p.size
+    """Fill ``out`` (exactly the component's size) piece by piece, each
+    verified; the next piece is read while the last one is hashed."""
+    io.read_verified_parts_into(
+        [(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p), f"{label}, piece {p.digest[:16]}")
+         for p in comp.pieces or ()], out)
 
 
 def read_pieced_range(io: RunIO, comp: ComponentEntry, start: int, end: int) -> bytes:

@@ -292,17 +292,21 @@ class SavePieces:
                     pass
         return ComponentEntry(name, sum(p.size for p in refs), pieces_digest(refs), tuple(refs))
 
-    def check_before_publish(self, components: Mapping[str, ComponentEntry]) -> None:
-        """§9.4 at publish: the save ran shorter than its intent's lifetime
-        less the window; the intent is at least ``window`` old (waited for when
-        needed) and not near expiry; every piece the save names is there with
-        its size. Otherwise :class:`SaveAbortedError` (nothing published)."""
+    def check_relied(self) -> PieceDeadline:
+        """§9.4 steps 1-2, for this process's part of the save: it ran
+        shorter than its intent's lifetime less the window; every piece of
+        another save it relies on is named by its intent, which is at least
+        ``window`` old (waited for when needed) and not near expiry. Returns
+        the deadlines a coordinator re-checks at its publish (a rank's part,
+        :func:`check_deadlines`). Otherwise :class:`SaveAbortedError`."""
         timing = self.owner.timing
-        if time.monotonic() - self.started > timing.intent_ttl - timing.window:
+        elapsed = time.monotonic() - self.started
+        if elapsed > timing.intent_ttl - timing.window:
             raise SaveAbortedError(
                 f"save {self.save_id} took longer than its pieces are protected ({timing.intent_ttl:.0f}s less the "
                 f"{timing.window:.0f}s window); nothing was published"
             )
+        deadline = PieceDeadline(started_at=time.time() - elapsed, intent_expires_at=None)
         with self._lock:
             reused = set(self.relied)  # other processes' (ranks') reuse is under their own intents
         if reused:
@@ -314,12 +318,15 @@ class SavePieces:
                 time.sleep(wait)
             if time.time() > intent.record.expires_at - timing.window:
                 raise SaveAbortedError(f"save {self.save_id}: its save intent expired; nothing was published")
-        problems = check_pieces(self.owner.io, components.values(), None, deep=False)
-        if problems:
-            raise SaveAbortedError(
-                f"save {self.save_id}: {problems[0][1]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-                + "; nothing was published"
-            )
+            deadline = PieceDeadline(deadline.started_at, intent.record.expires_at)
+        return deadline
+
+    def check_before_publish(self, components: Mapping[str, ComponentEntry]) -> None:
+        """§9.4 at publish: :meth:`check_relied`, then every piece the save
+        names is there with its size. Otherwise :class:`SaveAbortedError`
+        (nothing published)."""
+        self.check_relied()
+        check_present(self.owner.io, components, self.save_id)
 
     def abort(self) -> None:
         """Remove the pieces this save wrote (best effort; gc removes leftovers)."""
@@ -331,6 +338,57 @@ class SavePieces:
                 io.backend.delete(piece_key(io.run_id, self.save_id, digest))
             except Exception:  # noqa: BLE001 - best effort
                 pass
+
+
+@dataclass(frozen=True)
+class PieceDeadline:
+    """What one process's part of a save must still satisfy when another
+    process (the coordinator) publishes it (§9.4): the save began at
+    ``started_at`` and the intent it relies on (if any) expires at
+    ``intent_expires_at`` (epoch seconds)."""
+
+    started_at: float
+    intent_expires_at: float | None
+
+    def to_json(self) -> dict[str, float | None]:
+        return {"started_at": self.started_at, "intent_expires_at": self.intent_expires_at}
+
+    @classmethod
+    def from_json(cls, d: object) -> PieceDeadline:
+        """Strict: a malformed report is a :class:`SaveAbortedError` (nothing is published on it)."""
+        try:
+            assert isinstance(d, dict) and set(d) == {"started_at", "intent_expires_at"}
+            start, exp = d["started_at"], d["intent_expires_at"]
+            assert isinstance(start, int | float) and not isinstance(start, bool)
+            assert exp is None or (isinstance(exp, int | float) and not isinstance(exp, bool))
+            return cls(float(start), None if exp is None else float(exp))
+        except AssertionError:
+            raise SaveAbortedError(f"a rank's piece deadline report is malformed: {str(d)[:200]}; "
+                                   "nothing was published") from None
+
+
+def check_deadlines(deadlines: Mapping[int, PieceDeadline], timing: PieceTiming, save_id: str) -> None:
+    """§9.4 steps 1-2 at a coordinator's publish, for every rank's reported
+    part: no part began more than ``intent_ttl - window`` ago, and no intent a
+    part relies on expires within the window. Otherwise :class:`SaveAbortedError`."""
+    now = time.time()
+    for rank, d in sorted(deadlines.items()):
+        if now - d.started_at > timing.intent_ttl - timing.window:
+            raise SaveAbortedError(f"save {save_id}: rank {rank}'s part took longer than its pieces are protected "
+                                   f"({timing.intent_ttl:.0f}s less the {timing.window:.0f}s window); "
+                                   "nothing was published")
+        if d.intent_expires_at is not None and now > d.intent_expires_at - timing.window:
+            raise SaveAbortedError(f"save {save_id}: the save intent rank {rank} relies on expired; nothing was published")
+
+
+def check_present(io: RunIO, components: Mapping[str, ComponentEntry], save_id: str) -> None:
+    """§9.4 step 3: every piece ``components`` name is there with its size, else :class:`SaveAbortedError`."""
+    problems = check_pieces(io, components.values(), None, deep=False)
+    if problems:
+        raise SaveAbortedError(
+            f"save {save_id}: {problems[0][1]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            + "; nothing was published"
+        )
 
 
 # ----------------------------------------------------------- checking, reading

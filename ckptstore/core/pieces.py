@@ -116,6 +116,8 @@ class PieceWriter:
         self.known: dict[str, PieceRef] = {}
         self.intent: Intent | None = None
         self._saves: dict[str, SavePieces] = {}
+        #: the intent write :meth:`learn` started in the background (joined before any other use of the intent)
+        self._arming: threading.Thread | None = None
 
     def active(self, save_id: str) -> SavePieces | None:
         """The pieces side of a save this writer staged and has not published."""
@@ -124,8 +126,10 @@ class PieceWriter:
 
     def learn(self, rec: CommitRecord | None) -> None:
         """Take the pieces of ``rec`` (the newest commit) as the ones saves may
-        skip, and write the intent naming them now, so that the next save
-        finds it already old enough to rely on."""
+        skip, and start writing the intent naming them now, in the background
+        (off the save that just committed), so that the next save finds it
+        already old enough to rely on. :meth:`begin` and :meth:`close` wait for
+        that write first; if it failed, :meth:`begin` writes the intent itself."""
         known: dict[str, PieceRef] = {}
         if rec is not None:
             for c in rec.components.values():
@@ -135,10 +139,23 @@ class PieceWriter:
             self.known = known
             if rec is not None:
                 self._saves.pop(rec.save_id, None)
-        try:
-            self._arm(frozenset((p.holder, p.digest) for p in known.values()))
-        except CkptStoreError:
-            pass  # the save is published; the next save writes its intent before relying on these pieces
+        names = frozenset((p.holder, p.digest) for p in known.values())
+
+        def arm() -> None:
+            try:
+                self._arm(names)
+            except CkptStoreError:
+                pass  # the save is published; the next save writes its intent before relying on these pieces
+
+        self._settle_arming()
+        self._arming = threading.Thread(target=arm, name="ckptstore-intent", daemon=True)
+        self._arming.start()
+
+    def _settle_arming(self) -> None:
+        """Wait for the intent write :meth:`learn` started, if any."""
+        t, self._arming = self._arming, None
+        if t is not None:
+            t.join()
 
     def _arm(self, names: frozenset[tuple[str, str]]) -> Intent | None:
         """Write an intent naming ``names`` (none when empty), then remove the previous one."""
@@ -164,6 +181,7 @@ class PieceWriter:
         those an earlier, uncommitted save of the same step left (a resumed
         failed save reuses them once they verify); the intent is renewed when
         it does not name them all or is half way through its life."""
+        self._settle_arming()
         with self._lock:
             known = dict(self.known)
         left = self._left_by_step(step, save_id, {p.holder for p in known.values()})
@@ -193,6 +211,7 @@ class PieceWriter:
 
     def close(self) -> None:
         """Remove the intent (best effort: an intent left behind expires)."""
+        self._settle_arming()
         if self.intent is not None:
             try:
                 self.io.delete(self.intent.key)

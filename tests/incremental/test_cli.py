@@ -24,6 +24,13 @@ def test_ls_and_gc_report_pieces(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["ls", str(tmp_path / "s"), RUN, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["bytes_written"] < rows[-1]["bytes_written"] == rows[-1]["bytes_referenced"]
+    assert main(["report", str(tmp_path / "s"), RUN, "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    per = {b["step"]: b for b in rec["save_bytes"]}
+    assert per[1]["bytes_written"] == per[1]["bytes_referenced"] > per[3]["bytes_written"] > 0
+    assert per[3]["bytes_referenced"] == per[1]["bytes_referenced"]
+    assert main(["report", str(tmp_path / "s"), RUN]) == 0
+    assert "bytes written / referenced per save" in capsys.readouterr().out
     assert main(["gc", str(tmp_path / "s"), RUN, "--keep-last", "1", "--grace", "0", "--apply", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["pieces"]["freed"] >= 2 and rep["pieces"]["refused"] is None

@@ -339,6 +339,18 @@ class CheckpointStore:
         return WriterContext(self._io, self._attempts, self.attempt, self.writer_id, self.identity_digest, self._auth,
                              self._pieces)
 
+    @property
+    def piece_timing(self) -> PieceTiming:
+        """The window and intent lifetime of this store's version-3 saves (§9.4)."""
+        return self._piece_timing
+
+    def learn_published(self, ref: SaveRef) -> None:
+        """``ref`` was published by another process (a coordinator) and is
+        the newest commit: this writer's next save skips its pieces (version
+        3; nothing otherwise). Writes the intent naming them now."""
+        if self._pieces is not None and ref.run_id == self.run_id:
+            self._pieces.learn(ref.record)
+
     def new_save_id(self, step: int) -> str:
         """A fresh save ID for ``step`` of this store's attempt (a coordinator
         chooses one and hands it to every rank)."""

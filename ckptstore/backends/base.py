@@ -43,6 +43,15 @@ Contract (each backend's conformance tests check it):
   ``max_bytes`` is one bound for all keys or one per key (a batch of records
   is read each at its listed size + 1, so records that grew cannot cost the
   record cap each).
+* ``put_deferred(key, chunks)`` + ``settle(pending)``: a put whose
+  durability may wait. ``put_deferred`` writes the object's bytes and returns
+  a :class:`PendingPut`; the object is at its key and durable only once
+  ``settle`` (given it, with others) returned. Until then the key may not
+  exist, or, after a crash, never come to exist. A caller must settle every
+  pending put before anything that names the object (a commit record) is
+  written. The default is ``put`` (durable at once) and a ``settle`` that
+  does nothing; the local disk overrides both, so many objects share one
+  pass of fsyncs and one directory fsync per folder.
 * ``delete`` of a missing key is not an error.
 * Infrastructure failures raise :class:`StoreUnavailableError`, or
   :class:`TransientError` when a retry may help.
@@ -134,6 +143,15 @@ class ObjectInfo:
     mtime: float
 
 
+@dataclass
+class PendingPut:
+    """A put written by :meth:`Backend.put_deferred`, durable only once settled.
+    ``handle``: backend-specific state (the default backend's is None: durable already)."""
+
+    key: str
+    handle: object = None
+
+
 class Backend(abc.ABC):
     """Abstract storage backend. Keys are '/'-separated relative paths."""
 
@@ -162,6 +180,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def put(self, key: str, chunks: Iterable[Buffer]) -> None: ...
+
+    def put_deferred(self, key: str, chunks: Iterable[Buffer]) -> PendingPut:
+        """Write an object whose durability waits for :meth:`settle` (see the
+        module docstring). This default is :meth:`put`: durable on return."""
+        self.put(key, chunks)
+        return PendingPut(key)
+
+    def settle(self, pending: Sequence[PendingPut]) -> None:  # noqa: B027 - optional hook
+        """Make every put of ``pending`` (from :meth:`put_deferred` of this
+        backend) durable at its key; on return all are, or it raised and any
+        of them may be missing. This default does nothing (they were durable)."""
 
     @abc.abstractmethod
     def create(self, key: str, data: bytes) -> bool: ...

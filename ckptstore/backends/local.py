@@ -10,6 +10,13 @@ state against it):
   file, ``link(tmp, final)`` — which fails with EEXIST if the final name exists,
   so an existing record is never replaced (``rename`` would silently replace
   it) — unlink the temp file, fsync the directory.
+* ``put_deferred`` / ``settle`` (pieces, PROTOCOL.md §9): ``put_deferred``
+  writes the temp file and keeps it open, unsynced; ``settle`` fsyncs every
+  pending file (concurrently: they share journal commits), renames each to
+  its final name, then fsyncs each folder once. The order per object is ``put``'s (data durable before its name
+  appears); only the fsyncs are batched. A crash before ``settle`` returned
+  leaves temp files (removed like any other) or complete objects, never a
+  torn object under a final name.
 * New directories are fsynced into their parent before anything is written in
   them, so a durable file never hangs off a lost directory entry.
 
@@ -37,16 +44,30 @@ import errno
 import os
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from ..protocol.layout import RESERVED_MARK as TMP_MARK
-from .base import Backend, Buffer, Capabilities, ObjectInfo, byte_limits, check_key
+from .base import MAX_KEY_DEPTH, Backend, Buffer, Capabilities, ObjectInfo, PendingPut, byte_limits, check_key
 from .posix import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, NotAnObjectError, NotFollowedError, PosixOps
 
+#: fsyncs issued at the same time by :meth:`LocalBackend.settle`
+SETTLE_THREADS = 8
+
 __all__ = ["LocalBackend", "NotAnObjectError", "NotFollowedError", "PosixOps", "backend_from_url"]
+
+
+@dataclass
+class _Pending:
+    """A deferred put's temp file: its descriptor (-1 once closed), its path, its final path."""
+
+    fd: int
+    tmp: str
+    final: str
 
 
 class LocalBackend(Backend):
@@ -99,13 +120,8 @@ class LocalBackend(Backend):
             self.ops.fsync_dir(os.path.dirname(d))
 
     def _write_tmp(self, final: str, chunks: Iterable[Buffer]) -> str:
-        d, name = os.path.split(final)
-        self._makedirs(d)
-        tmp = os.path.join(d, f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
-        fd = self.ops.open_new(tmp)
+        fd, tmp = self._write_open(final, chunks)
         try:
-            for c in chunks:
-                self.ops.write(fd, c)
             self.ops.fsync(fd)
         except BaseException:
             self.ops.close(fd)
@@ -113,6 +129,21 @@ class LocalBackend(Backend):
             raise
         self.ops.close(fd)
         return tmp
+
+    def _write_open(self, final: str, chunks: Iterable[Buffer]) -> tuple[int, str]:
+        """Write a new temp file next to ``final``; (its open descriptor, its path), not synced."""
+        d, name = os.path.split(final)
+        self._makedirs(d)
+        tmp = os.path.join(d, f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+        fd = self.ops.open_new(tmp)
+        try:
+            for c in chunks:
+                self.ops.write(fd, c)
+        except BaseException:
+            self.ops.close(fd)
+            self._unlink_quiet(tmp)
+            raise
+        return fd, tmp
 
     def _unlink_quiet(self, path: str) -> None:
         try:
@@ -163,6 +194,57 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise self._os_error(exc, key) from exc
 
+    def put_deferred(self, key: str, chunks: Iterable[Buffer]) -> PendingPut:
+        """Write the object's temp file, kept open and unsynced until :meth:`settle`."""
+        final = self._path(key)
+        try:
+            fd, tmp = self._write_open(final, chunks)
+        except OSError as exc:
+            raise self._os_error(exc, key) from exc
+        return PendingPut(key, _Pending(fd, tmp, final))
+
+    def settle(self, pending: Sequence[PendingPut]) -> None:
+        """fsync every pending temp file, rename each to its key, then fsync
+        each folder once. On failure every temp file not yet renamed is
+        closed and removed, and the error raised."""
+        items = [p for p in pending if isinstance(p.handle, _Pending)]
+        todo = list(items)
+        try:
+            open_fds = [p.handle.fd for p in items if isinstance(p.handle, _Pending) and p.handle.fd >= 0]
+            if len(open_fds) > 1:  # concurrent fsyncs share the file system's journal commits
+                with ThreadPoolExecutor(min(SETTLE_THREADS, len(open_fds)), thread_name_prefix="ckptstore-fsync") as pool:
+                    list(pool.map(self.ops.fsync, open_fds))
+            elif open_fds:
+                self.ops.fsync(open_fds[0])
+            for p in items:
+                h = p.handle
+                assert isinstance(h, _Pending)
+                if h.fd >= 0:
+                    fd, h.fd = h.fd, -1
+                    self.ops.close(fd)
+            dirs: dict[str, None] = {}
+            for p in items:
+                h = p.handle
+                assert isinstance(h, _Pending)
+                self.ops.rename(h.tmp, h.final)
+                todo.remove(p)
+                dirs[os.path.dirname(h.final)] = None
+            for d in dirs:
+                self.ops.fsync_dir(d)
+        except OSError as exc:
+            raise self._os_error(exc, items[0].key if items else "") from exc
+        finally:
+            for p in todo:
+                h = p.handle
+                assert isinstance(h, _Pending)
+                if h.fd >= 0:
+                    fd, h.fd = h.fd, -1
+                    try:
+                        self.ops.close(fd)
+                    except OSError:
+                        pass
+                self._unlink_quiet(h.tmp)
+
     def create(self, key: str, data: bytes) -> bool:
         final = self._path(key)
         try:
@@ -184,7 +266,7 @@ class LocalBackend(Backend):
         out: list[ObjectInfo] = []
         if top is None:
             return out
-        for dirpath, files in self.ops.walk_stat(top, descend=not flat):
+        for dirpath, files in self._walk_matching(top, prefix.rsplit("/", 1)[-1], flat):
             rel = self._rel_dir(dirpath)
             for f, size, mtime in files:
                 key = rel + f
@@ -232,6 +314,21 @@ class LocalBackend(Backend):
             for i, data in zip(idx, got, strict=True):
                 out[i] = data
         return out
+
+    def _walk_matching(
+        self, top: str, rest: str, flat: bool
+    ) -> Iterator[tuple[str, builtins.list[tuple[str, int, float]]]]:
+        """``walk_stat`` of ``top``, entering only the subfolders whose names
+        start with ``rest`` (the prefix's unfinished last name): listing
+        ``pieces/<step>-`` walks that step's folders, not every save's."""
+        if flat or not rest:
+            yield from self.ops.walk_stat(top, descend=not flat)
+            return
+        yield from self.ops.walk_stat(top, descend=False)
+        for dirpath, dirs, _files in self.ops.walk(top, descend=False):
+            for d in dirs:
+                if d.startswith(rest):
+                    yield from self.ops.walk_stat(os.path.join(dirpath, d), max_depth=MAX_KEY_DEPTH - 1)
 
     def _list_top(self, prefix: str) -> str | None:
         """The deepest directory of ``prefix`` (which may end mid-name), if it is one."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from functools import partial
@@ -243,6 +243,56 @@ class RunIO:
             raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
         if digest != comp.blake3:
             raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
+
+    def read_verified_parts_into(self, parts: Sequence[tuple[str, ComponentEntry, str]], out: memoryview,
+                                 chunk: int = CHUNK) -> None:
+        """Fill ``out`` with the concatenation of several objects, each
+        verified as :meth:`read_verified_into` does (its size, nothing past it,
+        its digest): ``parts`` are (key, entry with the object's size and
+        digest, label for messages), in order. Part *k + 1* is read while part
+        *k* is hashed in a helper thread, so reading many small objects (the
+        pieces of a component) costs what reading one large one does. A part
+        larger than ``chunk`` is read by :meth:`read_verified_into`. On
+        :class:`CorruptionError` the content of ``out`` is undefined; no hash
+        is left running on it when this returns or raises."""
+        if sum(c.size for _, c, _ in parts) != len(out):
+            raise ValueError(f"buffer of {len(out)} bytes for parts of {sum(c.size for _, c, _ in parts)}")
+        live: builtins.list[tuple[BackgroundHasher, str, ComponentEntry, str]] = []
+
+        def settle_one() -> None:
+            hasher, key, comp, label = live.pop(0)
+            if hasher.finish() != comp.blake3:
+                raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
+
+        off = 0
+        try:
+            for key, comp, label in parts:
+                view = out[off : off + comp.size]
+                off += comp.size
+                if comp.size > chunk:
+                    while live:
+                        settle_one()
+                    self.read_verified_into(key, comp, label, view, chunk)
+                    continue
+                try:
+                    got = self.retry.call(partial(self.backend.readinto, key, 0, view)) if comp.size else 0
+                    grew = got == comp.size and self._extends_past(key, comp.size)
+                except NotFoundError:
+                    raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
+                self.bytes_read += got
+                if got != comp.size or grew:
+                    n = f"{comp.size}+" if grew else str(got)
+                    raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
+                hasher = BackgroundHasher()
+                live.append((hasher, key, comp, label))
+                hasher.feed(view)
+                while len(live) > 1:
+                    settle_one()
+            while live:
+                settle_one()
+        finally:
+            for hasher, *_ in live:
+                hasher.finish()  # never leave a hash running on the caller's buffer
 
     def _fill_hashed(self, key: str, out: memoryview, chunk: int, hasher: BackgroundHasher) -> int:
         """Read the object's first ``len(out)`` bytes into ``out`` chunk by

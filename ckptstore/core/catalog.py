@@ -427,6 +427,7 @@ class Catalog:
         latest: SaveRef | None = None
         out: list[SaveInfo] = []
         committed_ids: set[str] = set()
+        named: set[tuple[str, str]] = set()  # pieces a committed save names (its holder's commit may be gone)
         verified = 0
         for c in self.walk(scan, deep, deep_until):
             if c.ref is not None:
@@ -449,6 +450,7 @@ class Catalog:
             written = referenced = None
             if c.ref is not None:
                 written, referenced = c.ref.record.bytes_written(), c.ref.total_bytes
+                named.update(c.ref.record.piece_refs())
             out.append(
                 SaveInfo(
                     c.save_id or "?", c.step, c.attempt, state, detail, sum(o.size for o in objs.values()),
@@ -457,31 +459,43 @@ class Catalog:
                 )
             )
         now = time.time()
-        for sid, objs in scan.save_objects.items():
+        # version 3: pieces no commit names, by the save that wrote them (an uncommitted save may
+        # have written nothing else: every byte of its components is in pieces, §9.1)
+        loose: dict[str, list[ListedPiece]] = {}
+        for hd, lp in (scan.pieces or {}).items():
+            if hd[0] not in committed_ids and hd not in named:
+                loose.setdefault(hd[0], []).append(lp)
+        # a holder some commit still names had its own commit deleted (retention): what only it
+        # named is gc's to sweep after the grace period, not a save of its own
+        for h in {hd[0] for hd in named}:
+            if h not in scan.save_objects:
+                loose.pop(h, None)
+        for sid in sorted(set(scan.save_objects) | set(loose)):
+            objs = scan.save_objects.get(sid, {})
+            pieces = loose.get(sid, [])
             sa = parse_save_id(sid)
             if sid in committed_ids or sa is None:
                 continue  # a directory whose name does not parse is not ckptstore's: never listed, never deleted
+            size = sum(o.size for o in objs.values()) + sum(p.size for p in pieces)
+            what = f"{len(objs)} component(s)" + (f" and {len(pieces)} piece(s)" if pieces else "")
             if sa in scan.commits:
                 # Its (step, attempt) has a commit key whose record does not name
                 # it (unreadable, torn, forged): it may be that commit's save.
                 # Kept as corrupt for an operator, never taken for uncommitted.
                 detail = (
-                    f"{len(objs)} component(s) written; the commit record of step {sa[0]}, attempt {sa[1]} exists "
+                    f"{what} written; the commit record of step {sa[0]}, attempt {sa[1]} exists "
                     "but does not name this save (unreadable or another save's): kept; inspect it and remove by hand"
                 )
-                out.append(
-                    SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, sum(o.size for o in objs.values()),
-                             len(objs), None)
-                )
+                out.append(SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, size, len(objs), None))
                 continue
-            newest = max(o.mtime for o in objs.values())
+            newest = max([o.mtime for o in objs.values()] + [p.mtime for p in pieces])
             state = uncommitted_state(now - newest, grace_seconds)
-            detail = f"{len(objs)} component(s) written, no commit record; last write {now - newest:.0f}s ago"
+            detail = f"{what} written, no commit record; last write {now - newest:.0f}s ago"
             later = superseded_by(sa[0], sa[1], scan.attempts.effective)
             if later is not None:
                 # its writer was replaced before this step: it can never be committed
                 state = SaveState.PARTIAL
                 detail = f"abandoned ({describe_superseder(later)}); {detail}"
-            out.append(SaveInfo(sid, sa[0], sa[1], state, detail, sum(o.size for o in objs.values()), len(objs), None))
+            out.append(SaveInfo(sid, sa[0], sa[1], state, detail, size, len(objs), None))
         out.sort(key=lambda i: (i.step, i.attempt), reverse=True)
         return out

@@ -19,7 +19,7 @@ from typing import Any
 
 import blake3
 
-from ..backends.base import Backend
+from ..backends.base import Backend, PendingPut
 from ..errors import CkptStoreError, CorruptionError, NotFoundError, SaveAbortedError
 from ..protocol import CommitRecord, ComponentEntry
 from ..protocol.layout import (
@@ -40,6 +40,8 @@ from .hashing import CHUNK, iter_chunks
 Problems = list[tuple[SkipReason, str]]
 #: Pieces uploaded at the same time by one ``put``.
 UPLOAD_CONCURRENCY = 4
+#: Pieces written before their fsyncs are issued together (``Backend.settle``).
+SETTLE_BATCH = 32
 #: An intent older than this share of its lifetime is renewed before a save relies on it.
 RENEW_SHARE = 0.5
 
@@ -114,6 +116,8 @@ class PieceWriter:
         self.known: dict[str, PieceRef] = {}
         self.intent: Intent | None = None
         self._saves: dict[str, SavePieces] = {}
+        #: the intent write :meth:`learn` started in the background (joined before any other use of the intent)
+        self._arming: threading.Thread | None = None
 
     def active(self, save_id: str) -> SavePieces | None:
         """The pieces side of a save this writer staged and has not published."""
@@ -122,8 +126,10 @@ class PieceWriter:
 
     def learn(self, rec: CommitRecord | None) -> None:
         """Take the pieces of ``rec`` (the newest commit) as the ones saves may
-        skip, and write the intent naming them now, so that the next save
-        finds it already old enough to rely on."""
+        skip, and start writing the intent naming them now, in the background
+        (off the save that just committed), so that the next save finds it
+        already old enough to rely on. :meth:`begin` and :meth:`close` wait for
+        that write first; if it failed, :meth:`begin` writes the intent itself."""
         known: dict[str, PieceRef] = {}
         if rec is not None:
             for c in rec.components.values():
@@ -133,10 +139,23 @@ class PieceWriter:
             self.known = known
             if rec is not None:
                 self._saves.pop(rec.save_id, None)
-        try:
-            self._arm(frozenset((p.holder, p.digest) for p in known.values()))
-        except CkptStoreError:
-            pass  # the save is published; the next save writes its intent before relying on these pieces
+        names = frozenset((p.holder, p.digest) for p in known.values())
+
+        def arm() -> None:
+            try:
+                self._arm(names)
+            except CkptStoreError:
+                pass  # the save is published; the next save writes its intent before relying on these pieces
+
+        self._settle_arming()
+        self._arming = threading.Thread(target=arm, name="ckptstore-intent", daemon=True)
+        self._arming.start()
+
+    def _settle_arming(self) -> None:
+        """Wait for the intent write :meth:`learn` started, if any."""
+        t, self._arming = self._arming, None
+        if t is not None:
+            t.join()
 
     def _arm(self, names: frozenset[tuple[str, str]]) -> Intent | None:
         """Write an intent naming ``names`` (none when empty), then remove the previous one."""
@@ -162,6 +181,7 @@ class PieceWriter:
         those an earlier, uncommitted save of the same step left (a resumed
         failed save reuses them once they verify); the intent is renewed when
         it does not name them all or is half way through its life."""
+        self._settle_arming()
         with self._lock:
             known = dict(self.known)
         left = self._left_by_step(step, save_id, {p.holder for p in known.values()})
@@ -191,6 +211,7 @@ class PieceWriter:
 
     def close(self) -> None:
         """Remove the intent (best effort: an intent left behind expires)."""
+        self._settle_arming()
         if self.intent is not None:
             try:
                 self.io.delete(self.intent.key)
@@ -246,7 +267,8 @@ class SavePieces:
         run already holds it, else uploaded under this save."""
         io = self.owner.io
         refs: list[PieceRef] = []
-        pending: list[Future[None]] = []
+        pending: list[Future[PendingPut]] = []
+        landed: list[PendingPut] = []
         pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="ckptstore-piece")
         try:
             for piece in cut_pieces(iter_chunks(data, None)):
@@ -263,30 +285,47 @@ class SavePieces:
                         self.written.setdefault(digest, ref)
                     if first:
                         key = piece_key(io.run_id, self.save_id, digest)
-                        pending.append(pool.submit(io.retry.call, partial(io.backend.put, key, [piece])))
+                        pending.append(pool.submit(io.retry.call, partial(io.backend.put_deferred, key, [piece])))
                         self.written_bytes += size
                         while len(pending) >= 2 * UPLOAD_CONCURRENCY:
-                            pending.pop(0).result()
+                            landed.append(pending.pop(0).result())
+                        if len(landed) >= SETTLE_BATCH:
+                            io.backend.settle(landed)
+                            landed = []
                 else:
                     self.reused_bytes += size
                 refs.append(ref)
-            for f in pending:
-                f.result()
+            while pending:
+                landed.append(pending.pop(0).result())
+            io.backend.settle(landed)  # every piece of the component durable before put returns
+            landed = []
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            for f in pending:  # a failed put: what landed is settled (closed) anyway, best effort
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    landed.append(f.result())
+            if landed:
+                try:
+                    io.backend.settle(landed)
+                except Exception:  # noqa: BLE001 - the put failed already; its error is the one raised
+                    pass
         return ComponentEntry(name, sum(p.size for p in refs), pieces_digest(refs), tuple(refs))
 
-    def check_before_publish(self, components: Mapping[str, ComponentEntry]) -> None:
-        """§9.4 at publish: the save ran shorter than its intent's lifetime
-        less the window; the intent is at least ``window`` old (waited for when
-        needed) and not near expiry; every piece the save names is there with
-        its size. Otherwise :class:`SaveAbortedError` (nothing published)."""
+    def check_relied(self) -> PieceDeadline:
+        """§9.4 steps 1-2, for this process's part of the save: it ran
+        shorter than its intent's lifetime less the window; every piece of
+        another save it relies on is named by its intent, which is at least
+        ``window`` old (waited for when needed) and not near expiry. Returns
+        the deadlines a coordinator re-checks at its publish (a rank's part,
+        :func:`check_deadlines`). Otherwise :class:`SaveAbortedError`."""
         timing = self.owner.timing
-        if time.monotonic() - self.started > timing.intent_ttl - timing.window:
+        elapsed = time.monotonic() - self.started
+        if elapsed > timing.intent_ttl - timing.window:
             raise SaveAbortedError(
                 f"save {self.save_id} took longer than its pieces are protected ({timing.intent_ttl:.0f}s less the "
                 f"{timing.window:.0f}s window); nothing was published"
             )
+        deadline = PieceDeadline(started_at=time.time() - elapsed, intent_expires_at=None)
         with self._lock:
             reused = set(self.relied)  # other processes' (ranks') reuse is under their own intents
         if reused:
@@ -298,12 +337,15 @@ class SavePieces:
                 time.sleep(wait)
             if time.time() > intent.record.expires_at - timing.window:
                 raise SaveAbortedError(f"save {self.save_id}: its save intent expired; nothing was published")
-        problems = check_pieces(self.owner.io, components.values(), None, deep=False)
-        if problems:
-            raise SaveAbortedError(
-                f"save {self.save_id}: {problems[0][1]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-                + "; nothing was published"
-            )
+            deadline = PieceDeadline(deadline.started_at, intent.record.expires_at)
+        return deadline
+
+    def check_before_publish(self, components: Mapping[str, ComponentEntry]) -> None:
+        """§9.4 at publish: :meth:`check_relied`, then every piece the save
+        names is there with its size. Otherwise :class:`SaveAbortedError`
+        (nothing published)."""
+        self.check_relied()
+        check_present(self.owner.io, components, self.save_id)
 
     def abort(self) -> None:
         """Remove the pieces this save wrote (best effort; gc removes leftovers)."""
@@ -315,6 +357,57 @@ class SavePieces:
                 io.backend.delete(piece_key(io.run_id, self.save_id, digest))
             except Exception:  # noqa: BLE001 - best effort
                 pass
+
+
+@dataclass(frozen=True)
+class PieceDeadline:
+    """What one process's part of a save must still satisfy when another
+    process (the coordinator) publishes it (§9.4): the save began at
+    ``started_at`` and the intent it relies on (if any) expires at
+    ``intent_expires_at`` (epoch seconds)."""
+
+    started_at: float
+    intent_expires_at: float | None
+
+    def to_json(self) -> dict[str, float | None]:
+        return {"started_at": self.started_at, "intent_expires_at": self.intent_expires_at}
+
+    @classmethod
+    def from_json(cls, d: object) -> PieceDeadline:
+        """Strict: a malformed report is a :class:`SaveAbortedError` (nothing is published on it)."""
+        try:
+            assert isinstance(d, dict) and set(d) == {"started_at", "intent_expires_at"}
+            start, exp = d["started_at"], d["intent_expires_at"]
+            assert isinstance(start, int | float) and not isinstance(start, bool)
+            assert exp is None or (isinstance(exp, int | float) and not isinstance(exp, bool))
+            return cls(float(start), None if exp is None else float(exp))
+        except AssertionError:
+            raise SaveAbortedError(f"a rank's piece deadline report is malformed: {str(d)[:200]}; "
+                                   "nothing was published") from None
+
+
+def check_deadlines(deadlines: Mapping[int, PieceDeadline], timing: PieceTiming, save_id: str) -> None:
+    """§9.4 steps 1-2 at a coordinator's publish, for every rank's reported
+    part: no part began more than ``intent_ttl - window`` ago, and no intent a
+    part relies on expires within the window. Otherwise :class:`SaveAbortedError`."""
+    now = time.time()
+    for rank, d in sorted(deadlines.items()):
+        if now - d.started_at > timing.intent_ttl - timing.window:
+            raise SaveAbortedError(f"save {save_id}: rank {rank}'s part took longer than its pieces are protected "
+                                   f"({timing.intent_ttl:.0f}s less the {timing.window:.0f}s window); "
+                                   "nothing was published")
+        if d.intent_expires_at is not None and now > d.intent_expires_at - timing.window:
+            raise SaveAbortedError(f"save {save_id}: the save intent rank {rank} relies on expired; nothing was published")
+
+
+def check_present(io: RunIO, components: Mapping[str, ComponentEntry], save_id: str) -> None:
+    """§9.4 step 3: every piece ``components`` name is there with its size, else :class:`SaveAbortedError`."""
+    problems = check_pieces(io, components.values(), None, deep=False)
+    if problems:
+        raise SaveAbortedError(
+            f"save {save_id}: {problems[0][1]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            + "; nothing was published"
+        )
 
 
 # ----------------------------------------------------------- checking, reading
@@ -382,12 +475,11 @@ def iter_pieced(io: RunIO, comp: ComponentEntry, label: str, chunk: int = CHUNK)
 
 
 def read_pieced_into(io: RunIO, comp: ComponentEntry, label: str, out: memoryview) -> None:
-    """Fill ``out`` (exactly the component's size) piece by piece, each verified."""
-    off = 0
-    for p in comp.pieces or ():
-        io.read_verified_into(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p),
-                              f"{label}, piece {p.digest[:16]}", out[off : off + p.size])
-        off += p.size
+    """Fill ``out`` (exactly the component's size) piece by piece, each
+    verified; the next piece is read while the last one is hashed."""
+    io.read_verified_parts_into(
+        [(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p), f"{label}, piece {p.digest[:16]}")
+         for p in comp.pieces or ()], out)
 
 
 def read_pieced_range(io: RunIO, comp: ComponentEntry, start: int, end: int) -> bytes:

@@ -31,6 +31,7 @@ from typing import Any, Literal, Self
 import torch.distributed as dist
 
 from .. import protocol as P
+from ..core.pieces import PieceDeadline, PieceTiming, check_deadlines
 from ..core.record_auth import RecordAuth
 from ..errors import (
     CkptStoreError,
@@ -207,18 +208,32 @@ class DistributedSave:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc is not None:
-            self._staged.abort()
-            report: dict[str, Any] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if exc is None:
+            try:
+                report: dict[str, Any] = self._inventory()
+            except SaveAbortedError as failed:  # this rank's part cannot be published (§9.4): tell the others
+                self._staged.abort()
+                report = {"ok": False, "error": f"{type(failed).__name__}: {failed}"}
         else:
-            comps = self._staged.components
-            report = {"ok": True, "components": {n: entry_to_json(c) for n, c in sorted(comps.items())}}
+            self._staged.abort()
+            report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         if exc is not None and not isinstance(exc, Exception):
             # KeyboardInterrupt, SystemExit: tell the others, then let it propagate unchanged
             with contextlib.suppress(CkptStoreError):
                 self._finish(report)
             return
         self.ref = self._finish(report)
+
+    def _inventory(self) -> dict[str, Any]:
+        """This rank's report: its components and, when it wrote pieces
+        (version 3), the deadlines of its part, after its own intent checks
+        (§9.4 steps 1-2: waits for its intent's window when needed)."""
+        comps = self._staged.components
+        report: dict[str, Any] = {"ok": True, "components": {n: entry_to_json(c) for n, c in sorted(comps.items())}}
+        pieces = self._staged.pieces
+        if pieces is not None:
+            report["pieces"] = pieces.check_relied().to_json()
+        return report
 
     # ----------------------------------------------------------------- finish
     def _finish(self, report: dict[str, Any]) -> SaveRef:
@@ -264,6 +279,8 @@ class DistributedSave:
                     comps[n] = entry_from_json(n, entry)
                     names.append(n)
                 ranks[r] = sorted(names)
+            deadlines = {r: PieceDeadline.from_json(inv["pieces"]) for r, inv in invs.items() if "pieces" in inv}
+            check_deadlines(deadlines, store.piece_timing, self.save_id)  # each rank's intent still protects its part
             _reached("before_publish")
             ref = store.publish(
                 self.step, self.save_id, comps, metadata=self.metadata, ranks=ranks, world_size=ch.world_size
@@ -309,7 +326,9 @@ class DistributedSave:
             raise err
         if store.tiered and isinstance(outcome.get("record"), str):
             return self._publish_part(store, str(outcome["record"]).encode("utf-8"), outcome["ref"])
-        return _ref_from_json(store, outcome["ref"])
+        ref = _ref_from_json(store, outcome["ref"])
+        store.learn_published(ref)  # the next save of this rank skips the pieces of this one
+        return ref
 
     def _publish_part(self, store: CheckpointStore, data: bytes, want: Mapping[str, Any]) -> SaveRef:
         """A member of a tiered job: this rank's part of the coordinator's record, committed in its local tier.
@@ -354,6 +373,7 @@ def open_distributed(
     replicate_every: int = 1,
     max_replication_lag: int = 2,
     close_flush_seconds: float = 30.0,
+    piece_timing: PieceTiming | None = None,
 ) -> DistributedRun:
     """Open ``run_id`` for writing from every rank of ``group`` (collective).
 
@@ -384,6 +404,13 @@ def open_distributed(
     every rank reads the durable copy. ``local_keep``, ``replicate_every``,
     ``max_replication_lag`` and ``close_flush_seconds`` are :meth:`CheckpointStore.open`'s.
 
+    ``piece_timing``: a version-3 run's window and intent lifetime
+    (:class:`~ckptstore.core.pieces.PieceTiming`), the same on every rank.
+    Each rank writes its own pieces, skips those of the newest commit it
+    knows, and checks its own save intent before it reports its inventory;
+    the coordinator re-checks every rank's deadlines and that every piece is
+    present before it publishes (PROTOCOL.md §9.4).
+
     Every rank must make the same collective calls (open, each ``save``) in
     the same order, from one thread at a time.
     """
@@ -392,7 +419,7 @@ def open_distributed(
         tiers = None if local_tier is None else _TierArgs(local_tier, local_keep, replicate_every,
                                                           max_replication_lag, close_flush_seconds)
         args = _OpenArgs(url, run_id, _identity_dict(identity), timeout, save_timeout, storage_options, resume_from,
-                         resume_verify, reshard, retry, tiers)
+                         resume_verify, reshard, retry, piece_timing or PieceTiming(), tiers)
         tag = ch.next()
         hello: dict[str, Any] = {"identity_digest": identity_digest(args.identity)}
         if tiers is not None and not ch.is_coordinator:
@@ -440,6 +467,7 @@ class _OpenArgs:
     resume_verify: Literal["deep", "cheap"]
     reshard: bool
     retry: RetryPolicy | None
+    piece_timing: PieceTiming
     tiers: _TierArgs | None = None
 
 
@@ -461,7 +489,7 @@ def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
         peers = {r: dict(h.get("local") or {}) for r, h in sorted(hellos.items()) if r != ch.rank}
         store, resharded = _coordinator_open(
             a.url, a.run_id, a.identity, ch.world_size, storage_options=a.storage_options, resume_from=a.resume_from,
-            resume_verify=a.resume_verify, reshard=a.reshard, retry=a.retry,
+            resume_verify=a.resume_verify, reshard=a.reshard, retry=a.retry, piece_timing=a.piece_timing,
             tiered=a.tiers.options(0, peers) if a.tiers is not None else {},
         )
         assert store.attempt is not None
@@ -505,13 +533,14 @@ def _open_as_member(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
     try:
         member = CheckpointStore.open(
             a.url, a.run_id, identity=outcome["identity"], join_attempt=int(outcome["attempt"]),
-            storage_options=a.storage_options, retry=a.retry,
+            storage_options=a.storage_options, retry=a.retry, piece_timing=a.piece_timing,
             **(a.tiers.options(ch.rank, None) if a.tiers is not None else {}),
         )
         if outcome["resumed_from"] is not None and member.resumed_from is None:
             # the coordinator's tier decision holds on every rank (all ranks local, or all durable)
             tier = str(outcome["resumed_from"].get("tier", "durable")) if member.tiered else "durable"
             member.adopt_resume_point(replace(_ref_from_json(member, outcome["resumed_from"]), tier=tier))
+            member.learn_published(member.resumed_from)  # its first save skips the pieces of the resume point
         ch.post(tag, "joined", {"ok": True})
     except Exception as exc:
         ch.post(tag, "joined", {"ok": False, "error": error_to_json(CkptStoreError(f"rank {ch.rank}: {exc}"))})
@@ -537,6 +566,7 @@ def _coordinator_open(
     reshard: bool,
     retry: RetryPolicy | None,
     tiered: Mapping[str, Any],
+    piece_timing: PieceTiming,
 ) -> tuple[CheckpointStore, dict[str, Any] | None]:
     want = ident.get("world_size")
     if want is not None and want != world_size:
@@ -549,6 +579,7 @@ def _coordinator_open(
             url, run_id, identity=identity, storage_options=storage_options, resume_from=resume_from,
             retry=retry, resume_verify=resume_verify, single_writer=True,  # the job's one coordinator
             **tiered,
+            piece_timing=piece_timing,
         )
 
     resharded: dict[str, Any] | None = None

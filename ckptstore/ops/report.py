@@ -63,6 +63,7 @@ def build_record(store: CheckpointStore, budget: Budget | None = None, *, deep: 
         },
         "skipped_newer_candidates": [s.to_json() for s in sel.skipped],
         "discarded_checkpoints": _discarded(saves),
+        "save_bytes": _save_bytes(saves),
         "recovered_steps": [a.resumed_from for a in acc.attempts[1:]],
         "executed_steps": acc.executed_steps,
         "accepted_steps": acc.accepted_steps,
@@ -164,6 +165,18 @@ def _discarded(saves: list[SaveInfo]) -> list[dict[str, Any]]:
     ]
 
 
+def _save_bytes(saves: list[SaveInfo]) -> list[dict[str, Any]]:
+    """Per save, newest first: the bytes it wrote itself against the bytes its
+    record names (they differ in a version-3 run, whose saves share pieces);
+    an uncommitted save has written what it has, and references nothing yet."""
+    return [
+        {"step": i.step, "attempt": i.attempt, "save_id": i.save_id, "state": i.state.value,
+         "bytes_written": i.bytes_written if i.bytes_written is not None else i.bytes,
+         "bytes_referenced": i.bytes_referenced}
+        for i in saves
+    ]
+
+
 def _cost(saves: list[SaveInfo], acc: Accounting, budget: Budget) -> dict[str, Any]:
     # pieces (PROTOCOL.md §9) counted once, by the save that holds them
     storage_gb = sum(max(i.bytes, i.bytes_written or 0) for i in saves) / 1e9
@@ -211,6 +224,13 @@ def render_table(rec: dict[str, Any]) -> str:
     row("discarded checkpoints", len(rec["discarded_checkpoints"]))
     for d in rec["discarded_checkpoints"]:
         lines.append(f"    - step {d['step']} attempt {d['attempt']}: {d['state']} ({d['detail']})")
+    shared = [b for b in rec.get("save_bytes", []) if b["bytes_referenced"] not in (None, b["bytes_written"])]
+    if shared:  # a version-3 run: saves share pieces
+        row("bytes written / referenced per save", "")
+        for b in rec["save_bytes"][:20]:
+            ref = "-" if b["bytes_referenced"] is None else f"{b['bytes_referenced']:,}"
+            lines.append(f"    - step {b['step']} attempt {b['attempt']} ({b['state']}): "
+                         f"{b['bytes_written']:,} / {ref}")
     row("steps executed / accepted / wasted", f"{rec['executed_steps']} / {rec['accepted_steps']} / {rec['wasted_steps']}")
     row("GPU-hours spent / wasted / budget", f"{rec['spent_gpu_hours']:.2f} / {rec['wasted_gpu_hours']:.2f} / "
         f"{rec['budget']['limit_gpu_hours']:.2f}")

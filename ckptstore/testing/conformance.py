@@ -213,6 +213,24 @@ class BackendConformance:
         assert [o.key for o in backend.list("p/a/")] == ["p/a/1", "p/a/2"]
         assert backend.list("missing/") == []
 
+    def test_list_of_a_prefix_ending_mid_name(self, backend: Backend) -> None:
+        for k in ["m/12-a/x", "m/12-a/y/z", "m/12-b/x", "m/13-a/x", "m/12", "m/2"]:
+            backend.put(k, [k.encode()])
+        assert [o.key for o in backend.list("m/12-")] == ["m/12-a/x", "m/12-a/y/z", "m/12-b/x"]
+        assert [o.key for o in backend.list("m/12")] == ["m/12", "m/12-a/x", "m/12-a/y/z", "m/12-b/x"]
+        assert [o.key for o in backend.list("m/12-a/")] == ["m/12-a/x", "m/12-a/y/z"]
+        assert backend.list("m/14") == []
+
+    def test_deferred_puts_land_when_settled(self, backend: Backend) -> None:
+        pending = [backend.put_deferred(f"dfr/a/{i}", [b"x" * i, b"y"]) for i in range(5)]
+        pending.append(backend.put_deferred("dfr/b/one", [b"one"]))
+        backend.settle(pending)
+        backend.settle([])
+        for i in range(5):
+            assert self.get_raw(backend, f"dfr/a/{i}") == b"x" * i + b"y"
+        assert backend.get("dfr/b/one") == b"one"
+        assert [o.key for o in backend.list("dfr/")] == [*(f"dfr/a/{i}" for i in range(5)), "dfr/b/one"]
+
     def test_list_after_deleting_everything_is_empty(self, backend: Backend) -> None:
         backend.put("gone/a/x", [b"1"])
         backend.delete("gone/a/x")

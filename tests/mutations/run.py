@@ -193,9 +193,18 @@ MUTATIONS: list[Mutation] = [
         "local-put-no-file-fsync",
         "a component's temp file is fsynced before its rename (§7)",
         "ckptstore/backends/local.py",
-        (("                self.ops.write(fd, c)\n            self.ops.fsync(fd)\n",
-          "                self.ops.write(fd, c)\n"),),
+        (("        try:\n            self.ops.fsync(fd)\n        except BaseException:\n",
+          "        try:\n            pass\n        except BaseException:\n"),),
         (f"{T_CRASH}::test_power_loss_at_every_syscall_local",),
+    ),
+    Mutation(
+        "local-settle-no-file-fsync",
+        "deferred puts (pieces) are fsynced before their rename (PROTOCOL.md §9.4)",
+        "ckptstore/backends/local.py",
+        (("                    list(pool.map(self.ops.fsync, open_fds))\n            elif open_fds:\n"
+          "                self.ops.fsync(open_fds[0])\n",
+          "                    pass\n            elif open_fds:\n                pass\n"),),
+        ("tests/incremental/test_deferred_puts.py::test_a_power_loss_anywhere_leaves_no_torn_object",),
     ),
     Mutation(
         "local-put-no-dir-fsync",

@@ -539,8 +539,9 @@ def _open_as_member(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
         if outcome["resumed_from"] is not None and member.resumed_from is None:
             # the coordinator's tier decision holds on every rank (all ranks local, or all durable)
             tier = str(outcome["resumed_from"].get("tier", "durable")) if member.tiered else "durable"
-            member.adopt_resume_point(replace(_ref_from_json(member, outcome["resumed_from"]), tier=tier))
-            member.learn_published(member.resumed_from)  # its first save skips the pieces of the resume point
+            point = replace(_ref_from_json(member, outcome["resumed_from"]), tier=tier)
+            member.adopt_resume_point(point)
+            member.learn_published(point)  # its first save skips the pieces of the resume point
         ch.post(tag, "joined", {"ok": True})
     except Exception as exc:
         ch.post(tag, "joined", {"ok": False, "error": error_to_json(CkptStoreError(f"rank {ch.rank}: {exc}"))})

@@ -34,6 +34,18 @@ def payload(step: int, attempt: int) -> bytes:
     return bytes((step * 31 + attempt * 7 + i) % 253 for i in range(600))
 
 
+
+def damage(f: Path, how: str) -> None:
+    """Damage one local file: one bit flipped, its last 3 bytes cut, or removed."""
+    if how == "flip":
+        b = bytearray(f.read_bytes())
+        b[len(b) // 2] ^= 0x40
+        f.write_bytes(bytes(b))
+    elif how == "truncate":
+        f.write_bytes(f.read_bytes()[:-3])
+    else:
+        f.unlink()
+
 class TwoTiers(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -91,14 +103,7 @@ class TwoTiers(RuleBasedStateMachine):
         f = self.local / component_key("run", ids[-1], "a")
         if not f.exists():
             return
-        if how == "flip":
-            b = bytearray(f.read_bytes())
-            b[len(b) // 2] ^= 0x40
-            f.write_bytes(bytes(b))
-        elif how == "truncate":
-            f.write_bytes(f.read_bytes()[:-3])
-        else:
-            f.unlink()
+        damage(f, how)
 
     @rule()
     def wipe_local(self) -> None:
@@ -172,14 +177,7 @@ class TwoTiersWithPieces(TwoTiers):
         if not files:
             return
         f = files[pick % len(files)]
-        if how == "flip":
-            b = bytearray(f.read_bytes())
-            b[len(b) // 2] ^= 0x40
-            f.write_bytes(bytes(b))
-        elif how == "truncate":
-            f.write_bytes(f.read_bytes()[:-3])
-        else:
-            f.unlink()
+        damage(f, how)
 
     @rule()
     def gc_durable(self) -> None:

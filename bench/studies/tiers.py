@@ -113,24 +113,17 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
             for i, p in enumerate(parts):
                 fsync_write(os.path.join(d, f"raw{i}.bin"), p)
             raw.append(time.perf_counter() - t)
-            _, b = s3()
-            st = CheckpointStore.open(b, "r", identity={"b": 1}, local_tier=local_dir())  # type: ignore[arg-type]
-            t = time.perf_counter()
-            put_all(st, 1)
-            local_commit.append(time.perf_counter() - t)
-            assert st.flush(600)
-            durable_t.append(time.perf_counter() - t)
-            st.close()
-            # the same with early_replication: components uploaded as soon as their local write returned
-            _, b = s3()
-            st = CheckpointStore.open(b, "r", identity={"b": 1}, local_tier=local_dir(),  # type: ignore[arg-type]
-                                      early_replication=True)
-            t = time.perf_counter()
-            put_all(st, 1)
-            early_local.append(time.perf_counter() - t)
-            assert st.flush(600)
-            early_durable.append(time.perf_counter() - t)
-            st.close()
+            # then the same with early_replication: components uploaded as soon as their local write returned
+            for early, committed, durable in ((False, local_commit, durable_t), (True, early_local, early_durable)):
+                _, b = s3()
+                st = CheckpointStore.open(b, "r", identity={"b": 1}, local_tier=local_dir(),  # type: ignore[arg-type]
+                                          early_replication=early)
+                t = time.perf_counter()
+                put_all(st, 1)
+                committed.append(time.perf_counter() - t)
+                assert st.flush(600)
+                durable.append(time.perf_counter() - t)
+                st.close()
             # plain upload of the same bytes with the same client
             _, b2 = s3()
             t = time.perf_counter()

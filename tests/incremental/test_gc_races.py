@@ -5,6 +5,7 @@ every operation; a killed writer's intent expires and its pieces go."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +14,8 @@ from ckptstore import CheckpointStore
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import Crashed, FaultyBackend
-from tests.incremental.common import FROZEN, GRACE, RUN, TIMING, age_past_grace, head, open_store, save
+from ckptstore.core.pieces import PieceTiming
+from tests.incremental.common import FROZEN, GRACE, IDENT, RUN, TIMING, age_past_grace, head, open_store, save
 
 V3 = P.layout_of(3)
 
@@ -61,16 +63,24 @@ def test_gc_first_then_the_save(backend: Backend) -> None:
 
 
 def test_a_killed_writers_intent_expires(backend: Backend) -> None:
-    writer = open_store(backend)
+    # Seconds are margins here, not assumptions: on a busy machine a step of this test may take longer
+    # than GRACE, and gc rightly sweeps an unmarked piece older than its grace. gc's grace must be at
+    # least the intents' lifetime (it refuses to sweep otherwise), so both are LIVE seconds.
+    live = PieceTiming(window=TIMING.window, intent_ttl=3.0)
+    writer = CheckpointStore.open(backend, RUN, identity=IDENT, protocol_version=3, piece_timing=live)
     save(writer, 1)
+    time.sleep(live.intent_ttl + 1.5)  # save 1's pieces: older than the first gc's grace
+    started = time.time()
     staged = writer.stage(2)
     staged.put("model", [memoryview(FROZEN), memoryview(head(2))])  # then the process dies: no publish, no close
     delete_commit(backend, 1)
-    gc = CheckpointStore.open(backend, RUN, piece_timing=TIMING)
-    first = gc.gc(keep_last=1, grace_seconds=GRACE)
-    assert first.pieces_freed == 0  # the intent is live
-    age_past_grace()
-    second = gc.gc(keep_last=1, grace_seconds=GRACE)
+    # within the intent's lifetime: save 1's pieces are old and marked only by the killed writer's
+    # intent; the killed save's own new piece is younger than the grace
+    first = CheckpointStore.open(backend, RUN, piece_timing=live).gc(keep_last=1, grace_seconds=live.intent_ttl)
+    assert time.time() - started < live.intent_ttl, "the first gc came too late to judge the live intent"
+    assert first.pieces_freed == 0 and not first.intents_expired and first.pieces_marked > 0
+    time.sleep(max(0.0, started + live.intent_ttl + 0.1 - time.time()))  # the intent expires
+    second = CheckpointStore.open(backend, RUN, piece_timing=live).gc(keep_last=1, grace_seconds=live.intent_ttl)
     assert second.intents_expired and second.pieces_freed > 0 and second.piece_bytes_freed >= len(FROZEN)
     assert backend.list_keys(P.layout.intents_prefix(RUN)) == []
     assert backend.list_keys(P.layout.pieces_prefix(RUN)) == []

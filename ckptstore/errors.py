@@ -92,6 +92,14 @@ class CorruptionError(CkptStoreError):
     or a stored record is malformed, oversized or not canonical."""
 
 
+class RunRecordMismatchError(CorruptionError):
+    """A run's ``RUN.json`` disagrees with its commit records: it states a
+    protocol version whose commit names or records are not the ones the run
+    holds (an edited run record, THREATS.md §4.13). Nothing was selected,
+    registered or deleted; the message names both versions, the records that
+    say so, and the fix."""
+
+
 class ExtraRequiredError(CkptStoreError, ImportError):
     """A command or module needs an optional dependency group that is not
     installed; the message names the ``pip install`` line."""

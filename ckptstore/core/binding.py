@@ -5,12 +5,13 @@ it sets ``io.layout``, which every later key and record of the run follows."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import CorruptionError, IdentityMismatchError, InvalidInputError, NotFoundError
+from ..errors import CorruptionError, IdentityMismatchError, InvalidInputError, NotFoundError, RunRecordMismatchError
 from ..identity import diff_identity, identity_digest
 from ..protocol import LATEST_LAYOUT, RUN_RECORD, Layout, RunRecord, layout_of, now, run_record_key
+from ..protocol.layout import LAYOUT_V1, LAYOUT_V2, naming_versions
 from ..protocol.records import MAX_RUN_RECORD
 from .bounded_io import RunIO
 from .record_auth import RecordAuth
@@ -82,3 +83,44 @@ def read_identity(
         check_identity(io.run_id, stored, requested)
     check_version(io, version)
     return stored
+
+
+def version_mismatch(
+    io: RunIO, other: Mapping[tuple[int, int], str], stamped: Sequence[tuple[str, int]], stated: int | None = None,
+) -> RunRecordMismatchError:
+    """The refusal when the run record's protocol version disagrees with the
+    run's commit records (THREATS.md §4.13): ``other`` are the commit names of
+    the other naming (step, attempt -> key), ``stamped`` the records of the
+    run's own naming that state another version (key, version), ``stated``
+    the version the newest of ``other`` states, when it could be read. The
+    message names both versions, the evidence and the fix."""
+    version = io.layout.version
+    evidence: list[str] = []
+    back: str | None = None
+    if other:
+        newest = other[max(other)]
+        naming = naming_versions(LAYOUT_V1 if io.layout.newest_first else LAYOUT_V2)
+        said = f", whose record says protocol_version {stated}" if stated is not None else ""
+        evidence.append(
+            f"{len(other)} commit name(s) follow the naming of protocol version {naming}, not of version {version} "
+            f"(newest: {io.where(newest)}{said})"
+        )
+        back = str(stated) if stated is not None else ("1" if io.layout.newest_first else "2 or 3")
+    if stamped:
+        counts: dict[int, int] = {}
+        for _, v in stamped:
+            counts[v] = counts.get(v, 0) + 1
+        top = max(counts, key=lambda v: (counts[v], v))
+        evidence.append(
+            f"{len(stamped)} commit record(s) of its own naming state another protocol_version "
+            f"({', '.join(f'{n} say {v}' for v, n in sorted(counts.items()))}; e.g. {io.where(stamped[0][0])})"
+        )
+        back = back or str(top)
+    return RunRecordMismatchError(
+        f"run {io.run_id!r}: its run record {io.where(run_record_key(io.run_id))} says protocol_version {version}, "
+        f"but its commit records disagree and none of version {version} can be selected: {'; '.join(evidence)}. "
+        "The run record was changed after the run was created (or these records were planted). Nothing was "
+        f"selected, registered or deleted. Fix: if {RUN_RECORD} was edited, set its protocol_version back to {back} "
+        "(or restore the file from a backup) and open the run again; if those records are not this run's, inspect "
+        "and remove them by hand. Under auth_policy='require' an edited run record is refused when the run is opened."
+    )

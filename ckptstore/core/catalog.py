@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..backends.base import ObjectInfo
-from ..errors import CorruptionError, LimitReachedError, NotFoundError
+from ..errors import CorruptionError, LimitReachedError, NotFoundError, RunRecordMismatchError
 from ..protocol import (
     CommitRecord,
     UnsupportedVersion,
@@ -45,6 +45,7 @@ from ..protocol.selection import (
     superseded_by,
     uncommitted_state,
 )
+from .binding import version_mismatch
 from .bounded_io import RunIO
 from .commit_names import CommitKeys
 from .fencing import AttemptLog, AttemptView
@@ -90,6 +91,11 @@ class Scan:
     piece_memo: set[tuple[str, str]] = field(default_factory=set)
     #: the wall-clock time just before ``pieces`` was listed: gc judges a piece's age against it
     pieces_listed_at: float = 0.0
+    #: commit names of the other version's naming (step, attempt -> key): history, never junk
+    #: (THREATS.md §4.13); empty where the walk lists the names itself (selection)
+    other: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: records of the run's own naming read by the walk that state another protocol version (key, version)
+    stamped: list[tuple[str, int]] = field(default_factory=list)
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
@@ -97,10 +103,11 @@ class Scan:
         # later names was either in this listing or is younger than it
         pieces_at = time.time()
         pieces = list_pieces(io) if with_saves and io.layout.pieces else None
-        commits = CommitKeys(io).listed()
+        names = CommitKeys(io)
+        commits = names.listed()
         save_objects: dict[str, dict[str, ObjectInfo]] = {}
         if not with_saves:
-            return cls(commits, save_objects, attempts, saves_listed=False)
+            return cls(commits, save_objects, attempts, saves_listed=False, other=names.other)
         sp = saves_prefix(io.run_id)
         foreign: list[str] = []
         for o in io.list(sp):
@@ -109,7 +116,8 @@ class Scan:
                 foreign.append(o.key)
                 continue
             save_objects.setdefault(sid, {})[name] = o
-        return cls(commits, save_objects, attempts, foreign=foreign, pieces=pieces, pieces_listed_at=pieces_at)
+        return cls(commits, save_objects, attempts, foreign=foreign, pieces=pieces, pieces_listed_at=pieces_at,
+                   other=names.other)
 
 
 class RecordCache:
@@ -281,6 +289,13 @@ class Catalog:
         except CorruptionError as exc:
             return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, str(exc))], None)
         sid = rec.save_id
+        if rec.version != self.io.layout.version:
+            # a writer stamps every record with its run's version (PROTOCOL.md §1.1): this one was
+            # written for a run of another version, or the run record was edited (THREATS.md §4.13)
+            scan.stamped.append((key, rec.version))
+            detail = (f"the record states protocol_version {rec.version}, the run record "
+                      f"{self.io.layout.version}: written for another version's run, or RUN.json was edited")
+            return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, detail)], sid)
         why = self.auth.judge(rec, self.io.run_id, self.io, key)
         if why is not None:
             return Candidate(step, attempt, None, [(SkipReason.UNAUTHENTICATED, why)], sid)
@@ -370,16 +385,43 @@ class Catalog:
                 break
             skipped.append(Skip(c.step, c.attempt, c.save_id, c.problems[0][0], "; ".join(d for _, d in c.problems)))
             if read >= MAX_CANDIDATES:
+                if scan.stamped:
+                    raise self.mismatch(keys.other, scan.stamped)
                 raise gave_up(self.io.run_id, MAX_CANDIDATES, skipped, by_name.count)
+        if chosen is None and (keys.other or scan.stamped):
+            # nothing of the run's own version selectable, and history of another: never "no save"
+            raise self.mismatch(keys.other, scan.stamped)
         if keys.junk:
             notes.append(f"{keys.junk} name(s) under commits/ are not commit records of this run's layout; ignored")
+        if keys.other:
+            notes.append(self._other_note(keys.other))
         if explain:
             try:
-                skipped += self._uncommitted_after(chosen, committed_ids, tried | by_name.names)
+                skipped += self._uncommitted_after(chosen, committed_ids, tried | by_name.names | set(keys.other))
             except LimitReachedError as exc:  # the report of uncommitted saves only; the choice stands
                 notes.append(f"uncommitted saves not reported: {exc}")
         shown, more = bound_skips(skipped + by_name.skips)
         return Selection(chosen, shown, more + by_name.count - len(by_name.skips), tuple(notes), read - (chosen is not None))
+
+    def mismatch(self, other: Mapping[tuple[int, int], str], stamped: list[tuple[str, int]]) -> RunRecordMismatchError:
+        """The refusal of a run whose run record disagrees with its commit
+        records (:func:`~ckptstore.core.binding.version_mismatch`), naming the
+        version the newest record of the other naming states (one bounded read)."""
+        stated: int | None = None
+        if other:
+            sa = max(other)
+            try:
+                data = self.io.get_bounded(other[sa], MAX_COMMIT_RECORD)
+                stated = CommitRecord.decode(data, self.io.where(other[sa]), run_id=self.io.run_id,
+                                             step=sa[0], attempt=sa[1]).version
+            except (CorruptionError, NotFoundError):  # unreadable, or a newer version's: the naming is named only
+                pass
+        return version_mismatch(self.io, other, stamped, stated)
+
+    def _other_note(self, other: Mapping[tuple[int, int], str]) -> str:
+        return (f"{len(other)} name(s) under commits/ follow another protocol version's commit naming, not this "
+                f"run's (version {self.io.layout.version}): history, never selected or deleted, their saves kept; "
+                f"newest {self.io.where(other[max(other)])} (if RUN.json was edited, restore it)")
 
     def _uncommitted_after(
         self, chosen: SaveRef | None, committed_ids: set[str], known: set[tuple[int, int]]
@@ -458,6 +500,8 @@ class Catalog:
                     bytes_written=written, bytes_referenced=referenced,
                 )
             )
+        if latest is None and (scan.other or scan.stamped):
+            raise self.mismatch(scan.other, scan.stamped)
         now = time.time()
         # version 3: pieces no commit names, by the save that wrote them (an uncommitted save may
         # have written nothing else: every byte of its components is in pieces, §9.1)
@@ -485,6 +529,14 @@ class Catalog:
                 detail = (
                     f"{what} written; the commit record of step {sa[0]}, attempt {sa[1]} exists "
                     "but does not name this save (unreadable or another save's): kept; inspect it and remove by hand"
+                )
+                out.append(SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, size, len(objs), None))
+                continue
+            if sa in scan.other:
+                # a commit name of another version's naming has its (step, attempt): history (§4.13)
+                detail = (
+                    f"{what} written; {self.io.where(scan.other[sa])} names step {sa[0]}, attempt {sa[1]} in another "
+                    "protocol version's commit naming: kept as history (if RUN.json was edited, restore it)"
                 )
                 out.append(SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, size, len(objs), None))
                 continue

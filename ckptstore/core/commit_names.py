@@ -11,7 +11,12 @@ its candidates are known only after the whole prefix was listed (names only).
 Keys under ``commits/`` that do not parse as a commit name of the run's layout
 are not ckptstore's: skipped, counted in :attr:`CommitKeys.junk`, never read.
 They cost listing only (a thousand of them one more request at most), never a
-record read, and cannot hide a real commit: paging goes on past them.
+record read, and cannot hide a real commit: paging goes on past them. The one
+exception is a name of *another version's* pattern (a version-1 name in a
+version-2 run, or the reverse): that is history a writer of the other naming
+left, so it is never junk but kept in :attr:`CommitKeys.other` — the catalog
+keeps its save and refuses to select or collect over it when nothing of the
+run's own naming can be selected (the run record was edited, THREATS.md §4.13).
 
 The prefix is flat (PROTOCOL.md §1.1): it is listed one level, so folders
 planted under it (a chain thousands deep) are neither walked nor counted.
@@ -29,6 +34,7 @@ from collections.abc import Iterator
 from ..backends.base import ObjectInfo
 from ..errors import StoreUnavailableError
 from ..protocol import commits_prefix
+from ..protocol.layout import history_name
 from .bounded_io import RunIO
 
 #: Keys asked for by the first listing request of a paged walk (most
@@ -45,11 +51,21 @@ class CommitKeys:
         self.prefix = commits_prefix(io.run_id)
         #: names under ``commits/`` that did not parse, seen by the last walk
         self.junk = 0
+        #: (step, attempt) -> key of the names of another version's pattern seen by the last walk
+        self.other: dict[tuple[int, int], str] = {}
+
+    def _reset(self) -> None:
+        self.junk = 0
+        self.other = {}
 
     def _parse(self, key: str) -> tuple[int, int] | None:
         sa = self.io.layout.commit_of_key(self.io.run_id, key)  # the canonical key only, never a twin
         if sa is None:
-            self.junk += 1
+            hist = history_name(key[len(self.prefix) :]) if key.startswith(self.prefix) else None
+            if hist is not None and hist[0].newest_first != self.io.layout.newest_first:
+                self.other.setdefault((hist[1], hist[2]), key)  # history of the other naming, not junk
+            else:
+                self.junk += 1
         return sa
 
     def _pages(self, start_after: str) -> Iterator[list[str]]:
@@ -76,7 +92,7 @@ class CommitKeys:
 
     def newest_first(self) -> Iterator[tuple[int, int]]:
         """(step, attempt) of every commit, newest first (by step, then attempt)."""
-        self.junk = 0
+        self._reset()
         if not self.io.layout.newest_first:
             # every name listed first; names are of fixed width, so in descending
             # byte order (sorted here, not trusted) they come newest first
@@ -106,7 +122,7 @@ class CommitKeys:
     def attempts_of(self, step: int) -> list[int]:
         """The attempts that committed ``step``, highest first: one listing
         request on either layout (the names of a step are contiguous)."""
-        self.junk = 0
+        self._reset()
         start = self.prefix + self.io.layout.step_prefix(step)
         found: list[int] = []
         for page in self._pages(start[:-1]):
@@ -122,7 +138,7 @@ class CommitKeys:
 
     def listed(self) -> dict[tuple[int, int], ObjectInfo]:
         """Every commit with its listing entry (size, time): one full listing."""
-        self.junk = 0
+        self._reset()
         out: dict[tuple[int, int], ObjectInfo] = {}
         for o in self.io.list(self.prefix, flat=True):
             sa = self._parse(o.key)

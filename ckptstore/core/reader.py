@@ -113,6 +113,9 @@ class Reader:
         except (NotFoundError, CorruptionError) as exc:
             report.problems.append((SkipReason.UNREADABLE_RECORD, str(exc)))
             return report
+        if current.version != self.io.layout.version:
+            report.problems.append((SkipReason.UNREADABLE_RECORD, f"the record states protocol_version "
+                                    f"{current.version}, the run record {self.io.layout.version} (THREATS.md §4.13)"))
         why = self.catalog.auth.judge(current, self.io.run_id, self.io, self.catalog.commit_key(ref.step, ref.attempt))
         if why is not None:
             report.problems.append((SkipReason.UNAUTHENTICATED, why))

@@ -335,6 +335,25 @@ LATEST_LAYOUT = LAYOUT_V2
 _LAYOUTS = {1: LAYOUT_V1, 2: LAYOUT_V2, 3: LAYOUT_V3}
 
 
+def history_name(name: str) -> tuple[Layout, int, int] | None:
+    """(naming, step, attempt) of a commit-record name under *any* version's
+    pattern (THREATS.md §4.13): ``naming`` is :data:`LAYOUT_V1` for a
+    version-1 name and :data:`LAYOUT_V2` for a name of versions 2 and 3 (they
+    share one pattern); None for anything else. Such a name is history
+    whatever the run record says: it was written by a writer of that naming,
+    so a run record of the other naming disagrees with it."""
+    for naming in (LAYOUT_V1, LAYOUT_V2):
+        sa = naming.parse_commit_name(name)
+        if sa is not None:
+            return naming, sa[0], sa[1]
+    return None
+
+
+def naming_versions(naming: Layout) -> str:
+    """The protocol versions whose commit records a naming names, in words."""
+    return "1" if not naming.newest_first else "2 and 3"
+
+
 def layout_of(version: int) -> Layout:
     """The layout of a run whose run record has ``version`` (1 … :data:`PROTOCOL_VERSION`)."""
     layout = _LAYOUTS.get(version) if isinstance(version, int) and not isinstance(version, bool) else None

@@ -4,7 +4,9 @@ New runs are version 2 (commit records named newest first); a run created
 under version 1 stays version 1 — read, resumed, written and collected as
 such, every record it gains stamped version 1 — so version-1 writers can keep
 using it; one store holds both kinds; a name of the other layout inside a run
-is not ckptstore's (never selected, never deleted); and a reader that knows
+is history (never selected, never deleted, its save kept; THREATS.md §4.13 —
+a run record edited to another version is in tests/fail_closed/test_planted_run_record.py);
+and a reader that knows
 only version 1 refuses a version-2 run at its run record, before anything else.
 """
 
@@ -168,7 +170,7 @@ def test_both_versions_order_attempts_of_one_step_newest_first(
     assert reader.get_save(2).attempt == 2 and reader.get_save(2, 1).attempt == 1
 
 
-def test_one_store_holds_both_kinds_and_names_of_the_other_layout_are_not_ours(
+def test_one_store_holds_both_kinds_and_names_of_the_other_layout_are_history(
     backend_factory: Callable[[], Backend],
 ) -> None:
     b = backend_factory()
@@ -178,19 +180,23 @@ def test_one_store_holds_both_kinds_and_names_of_the_other_layout_are_not_ours(
         save(new, s)
     raw = RawAccess(b)
     # a v1-named copy of the new run's newest record, for a later step, and a
-    # v2-named one in the old run: each is junk in the other layout
+    # v2-named one in the old run: each is history of the other naming, with a save folder of its own
     newest_new = raw.get(P.LAYOUT_V2.commit_key("new", 2, 1))
     newest_old = raw.get("old/commits/000000000002.00000001.json")
     assert newest_new is not None and newest_old is not None
     planted = {P.LAYOUT_V1.commit_key("new", 99, 1): newest_new, P.LAYOUT_V2.commit_key("old", 99, 1): newest_old}
+    for run in ("old", "new"):
+        planted[f"{run}/saves/000000000099-00000001-{99:012x}/model"] = b"planted bytes"
     for k, v in planted.items():
         raw.set(k, v)
     for run in ("old", "new"):
         st = CheckpointStore.open(backend_factory(), run, identity=IDENT)
         sel = st.latest_complete(explain=True)
         assert sel.latest is not None and sel.latest.step == 2, run
-        assert sel.skipped == [] and any("not commit records of this run's layout" in n for n in sel.notes), sel
-        assert [i.step for i in st.list_saves()] == [2, 1]
+        assert sel.skipped == [] and any("follow another protocol version's commit naming" in n
+                                         for n in sel.notes), sel
+        listed = [(i.step, i.state.value) for i in st.list_saves()]
+        assert listed == [(99, "corrupt"), (2, "committed"), (1, "committed")], listed  # the other naming's save: kept
         st.gc(keep_last=1, grace_seconds=0)
     for k, v in planted.items():
         assert raw.get(k) == v  # never deleted: not ckptstore's

@@ -16,7 +16,10 @@ may be promoted, and lists *every* reason it may not:
   under this run ID (``identity-refused`` events);
 * unauthenticated records under ``auth_policy="require"``;
 * a step that is not the run's final one, unless ``step=`` names it and ``reason=`` says why
-  (the reason is written into the provenance).
+  (the reason is written into the provenance);
+* the save's model weights cannot be read and parsed (read here, verified, as
+  :func:`promote` would: a save whose record was rewritten to match damaged
+  bytes verifies, yet holds no readable model — THREATS.md §4.14).
 
 :func:`promote` then writes the artifact (:mod:`ckptstore.ops.artifact`),
 verifies it against the store, and only then returns (and registers it, when
@@ -28,7 +31,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CkptStoreError, NotFoundError, PromotionRefusedError
@@ -40,7 +43,7 @@ from .artifact import DEFAULT_SHARD_BYTES, sink_for, write_artifact
 from .artifact_check import ArtifactReport, verify_artifact
 from .budget import Budget
 from .report import build_record
-from .weights import TensorSource, model_source
+from .weights import ModelSource, TensorSource, model_source
 
 #: ledger event a trainer records when it refuses to resume under a changed identity
 IDENTITY_REFUSED = "identity-refused"
@@ -57,6 +60,8 @@ class PromotionCheck:
     reasons: list[str]
     record: dict[str, Any] | None
     final_step: int | None = None
+    #: the model weights of ``ref``, read and parsed by the check (:func:`promote` writes these)
+    source: ModelSource | None = field(default=None, repr=False)
 
     @property
     def promotable(self) -> bool:
@@ -132,7 +137,14 @@ def promotion_check(
                 vr = store.verify(ref, deep=True)
                 if not vr.ok:
                     reasons.append(f"step {step} does not verify: " + "; ".join(d for _, d in vr.problems))
-    return PromotionCheck(store.run_id, ref, reasons, rec, final_step)
+    source: ModelSource | None = None
+    if ref is not None:
+        # what promote reads, read now: a refusal with the reason, never a CorruptionError halfway through promote
+        try:
+            source = model_source(store, ref)
+        except CkptStoreError as exc:
+            reasons.append(f"step {ref.step}: its model weights cannot be read: {str(exc)[:400]}")
+    return PromotionCheck(store.run_id, ref, reasons, rec, final_step, source)
 
 
 def _identity_refusals(store: CheckpointStore) -> list[str]:
@@ -200,7 +212,7 @@ def promote(
     if not check.promotable:
         raise PromotionRefusedError(store.run_id, check.reasons or ["no complete save"])
     assert check.ref is not None
-    source = model_source(store, check.ref)
+    source = check.source if check.source is not None else model_source(store, check.ref)
     keyring = store.auth.keyring if store.auth_policy is not AuthPolicy.OFF else None
     sink = sink_for(to, storage_options)
     written = write_artifact(source, sink, provenance_of(store, check, reason=reason), run_id=store.run_id,

@@ -4,6 +4,7 @@ publication, object-store targets, DCP consolidation from two ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from ckptstore import CheckpointStore, CorruptionError
+from ckptstore import protocol as P
+from ckptstore.backends.local import LocalBackend
 from ckptstore.cli.commands import main
 from ckptstore.errors import PromotionRefusedError
 from ckptstore.ops.artifact import (
@@ -28,6 +31,7 @@ from ckptstore.ops.promote import IDENTITY_REFUSED, promote, promotion_check
 from ckptstore.ops.weights import ModelSource, TensorSource, model_source
 from ckptstore.protocol.auth import Keyring
 from ckptstore.torch import Checkpointer, read_state
+from tests.helpers import RawAccess
 
 IDENT = {"data_digest": "d-1", "code_digest": "c-1", "planned_steps": 6}
 
@@ -144,6 +148,47 @@ def test_a_step_other_than_the_final_one_needs_a_reason_kept_in_the_provenance(t
     res = promote(reader(url), str(tmp_path / "art"), step=3, reason="step 3 evaluated better on the holdout")
     assert res.ref.step == 3
     assert read_provenance(str(tmp_path / "art"))["reason"] == "step 3 evaluated better on the holdout"
+
+
+def _damage_step(url: str, store_dir: Path, step: int, how: str) -> None:
+    """Damage the model of ``step``: a flipped byte (the save no longer verifies), or
+    garbage with its commit record rewritten to match (it verifies, but holds no
+    readable model), as anyone who can write the directory can under auth_policy=off."""
+    st = reader(url)
+    ref = st.get_save(step)
+    comp = next(p for p in store_dir.rglob("model.safetensors") if ref.save_id in str(p))
+    data = bytearray(comp.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0xFF
+        comp.write_bytes(bytes(data))
+        return
+    garbage = b"\xff" * len(data)
+    comp.write_bytes(garbage)
+    entry = ref.record.components["model.safetensors"]
+    comps = {**ref.record.components,
+             "model.safetensors": dataclasses.replace(entry, size=len(garbage), blake3=P.digest_bytes(garbage))}
+    forged = dataclasses.replace(ref.record, components=comps, stored_digest="", body_digest="")
+    RawAccess(LocalBackend(store_dir)).set(P.LATEST_LAYOUT.commit_key("r", step, ref.attempt), forged.encode())
+
+
+@pytest.mark.parametrize("how", ["flip", "consistent-garbage"])
+def test_a_damaged_non_final_step_is_refused_with_the_reason(tmp_path: Path, how: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    url = str(tmp_path / "store")
+    train_run(url)
+    _damage_step(url, tmp_path / "store", 3, how)
+    want = "does not verify" if how == "flip" else "model weights cannot be read"
+    chk = promotion_check(reader(url), step=3, reason="step 3 evaluated better")
+    assert not chk.promotable and any(want in r for r in chk.reasons), chk.reasons
+    with pytest.raises(PromotionRefusedError) as ei:  # a refusal listing the reason, never a CorruptionError
+        promote(reader(url), str(tmp_path / "art"), step=3, reason="step 3 evaluated better")
+    assert any(want in r for r in ei.value.reasons), ei.value.reasons
+    capsys.readouterr()
+    rc = main(["promote", url, "r", "--to", str(tmp_path / "art"), "--step", "3", "--reason", "better"])
+    out = capsys.readouterr()
+    assert rc == 1 and "REFUSED" in out.out and want in out.out and "Traceback" not in out.err, out
+    assert not (tmp_path / "art").exists() and [p.name for p in tmp_path.iterdir()] == ["store"]
+    assert promotion_check(reader(url)).promotable  # the final step is untouched and still promotable
 
 
 def test_tampering_with_the_artifact_or_its_provenance_is_caught(tmp_path: Path) -> None:

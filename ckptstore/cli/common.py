@@ -4,10 +4,11 @@ human sizes, the flags every command takes."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ..defaults import BUDGET_GPU_HOURS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
-from ..errors import ExtraRequiredError
+from ..errors import ExtraRequiredError, InvalidInputError
 from ..ops.budget import MIN_STEP_SECONDS
 from ..store import CheckpointStore
 from .output import parse_options
@@ -40,6 +41,27 @@ def open_store(args: argparse.Namespace, *, default_policy: str = "off") -> Chec
         args.url, args.run, mode="r", storage_options=parse_options(getattr(args, "storage_option", None)),
         auth_policy=policy, keyring=keyring, local_tier=getattr(args, "local_tier", None),
     )
+
+
+def check_output_file(path: str | None, flag: str, suffix: str = "") -> None:
+    """Refuse, before any work, a file a command is asked to write that it
+    could not: its directory missing, not a directory or not writable, the
+    path itself a directory, or (``suffix``) the wrong ending. The error
+    names the flag, the path and the fix, never a foreign ``OSError``."""
+    if path is None:
+        return
+    if suffix and not path.endswith(suffix):
+        raise InvalidInputError(f"{flag} {path}: the file name must end in {suffix}")
+    if os.path.isdir(path):
+        raise InvalidInputError(f"{flag} {path}: is a directory; name a file in it (e.g. {path.rstrip('/')}/ckptstore{suffix})")
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(d):
+        raise InvalidInputError(f"{flag} {path}: the directory {d} does not exist; create it first, or point {flag} "
+                                "at a file in an existing directory")
+    if not os.path.isdir(d):
+        raise InvalidInputError(f"{flag} {path}: {d} is not a directory")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise InvalidInputError(f"{flag} {path}: the directory {d} is not writable by this user")
 
 
 def require_extra(what: str, extra: str, *modules: str) -> None:

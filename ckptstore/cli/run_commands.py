@@ -9,7 +9,7 @@ from ..errors import CkptStoreError
 from ..store import CheckpointStore
 from ..util.redact import redact_text
 from ..util.terminal import sanitize
-from .common import budget_from_args, human_bytes, open_store, require_extra
+from .common import budget_from_args, check_output_file, human_bytes, open_store, require_extra
 from .output import emit, esc, parse_options
 
 
@@ -123,6 +123,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ..ops.status import parse_age, run_status, status_samples
     from ..util.prometheus import render, write_textfile
 
+    check_output_file(args.prom, "--prom", ".prom")  # before any store is read: one line, never an OSError
     max_age = parse_age(args.max_age) if args.max_age else None
     budget = budget_from_args(args)
     out, samples, lines, ok = [], [], [], True

@@ -29,6 +29,8 @@ from ..protocol import (
     save_prefix,
     saves_prefix,
 )
+from ..protocol.auth import AuthPolicy
+from ..protocol.layout import COMMITS_DIR
 from ..protocol.pieces import ListedPiece
 from ..protocol.records import MAX_COMMIT_RECORD
 from ..protocol.selection import (
@@ -50,7 +52,7 @@ from .bounded_io import RunIO
 from .commit_names import CommitKeys
 from .fencing import AttemptLog, AttemptView
 from .pieces import check_pieces, list_pieces
-from .record_auth import RecordAuth
+from .record_auth import RecordAuth, sidecars_prefix
 from .selection_limits import NameSkips, gave_up
 
 Problems = list[tuple[SkipReason, str]]
@@ -96,18 +98,24 @@ class Scan:
     other: dict[tuple[int, int], str] = field(default_factory=dict)
     #: records of the run's own naming read by the walk that state another protocol version (key, version)
     stamped: list[tuple[str, int]] = field(default_factory=list)
+    #: the auth sidecars of the commit records, listed once (None: not listed; each is read when needed)
+    sidecars: dict[str, ObjectInfo] | None = None
 
     @classmethod
-    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
+    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True, sidecars: bool = False) -> Scan:
+        """``sidecars``: also list the commit records' auth sidecars (one listing), so
+        judging a record reads its sidecar only when the listing shows one."""
         # pieces are listed before the commits (§9.5): a piece a commit listed
         # later names was either in this listing or is younger than it
         pieces_at = time.time()
         pieces = list_pieces(io) if with_saves and io.layout.pieces else None
         names = CommitKeys(io)
         commits = names.listed()
+        # after the commits: a record listed above whose sidecar is missing here had none when it was listed
+        side = {o.key: o for o in io.list(sidecars_prefix(io.run_id, COMMITS_DIR), flat=True)} if sidecars else None
         save_objects: dict[str, dict[str, ObjectInfo]] = {}
         if not with_saves:
-            return cls(commits, save_objects, attempts, saves_listed=False, other=names.other)
+            return cls(commits, save_objects, attempts, saves_listed=False, other=names.other, sidecars=side)
         sp = saves_prefix(io.run_id)
         foreign: list[str] = []
         for o in io.list(sp):
@@ -117,7 +125,7 @@ class Scan:
                 continue
             save_objects.setdefault(sid, {})[name] = o
         return cls(commits, save_objects, attempts, foreign=foreign, pieces=pieces, pieces_listed_at=pieces_at,
-                   other=names.other)
+                   other=names.other, sidecars=side)
 
 
 class RecordCache:
@@ -183,7 +191,8 @@ class Catalog:
         self.part: int | None = None
 
     def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True) -> Scan:
-        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves)
+        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves,
+                         sidecars=self.auth.policy is not AuthPolicy.OFF and self.auth.keyring is not None)
 
     def _objects_of(self, scan: Scan, save_id: str) -> dict[str, ObjectInfo]:
         if scan.saves_listed:
@@ -296,7 +305,7 @@ class Catalog:
             detail = (f"the record states protocol_version {rec.version}, the run record "
                       f"{self.io.layout.version}: written for another version's run, or RUN.json was edited")
             return Candidate(step, attempt, None, [(SkipReason.UNREADABLE_RECORD, detail)], sid)
-        why = self.auth.judge(rec, self.io.run_id, self.io, key)
+        why = self.auth.judge(rec, self.io.run_id, self.io, key, scan.sidecars)
         if why is not None:
             return Candidate(step, attempt, None, [(SkipReason.UNAUTHENTICATED, why)], sid)
         if later is not None:

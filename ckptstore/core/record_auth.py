@@ -12,7 +12,12 @@ first one signs).
 Records written before a key existed can be signed afterwards
 (``ckptstore sign``): the tag then lives in a *sidecar* object
 ``<run>/auth/<record key relative to the run>``, created exclusively, which a
-reader consults only for a record that carries no tag of its own.
+reader consults only for a record that carries no tag of its own. A walk that
+listed the sidecars (``list_saves`` and gc list ``auth/commits/`` once) reads
+only those the listing shows, and each of those only once while the listing
+shows it with the same size and time (:class:`RecordAuth` keeps them decoded):
+listing a run twice under ``warn`` or ``require`` reads no sidecar the second
+time (THREATS.md §4.14).
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import dataclasses
 import errno
 import os
 import stat
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from ..backends.base import ObjectInfo
 from ..errors import InvalidInputError
 from ..protocol import canonical_json, decode_json
 from ..protocol.auth import MIN_KEY_BYTES, AuthPolicy, AuthTag, Keyring, check_key_id
@@ -34,6 +41,10 @@ from .bounded_io import RunIO
 ENV_KEYS = "CKPTSTORE_AUTH_KEYS"
 AUTH_DIR = "auth"
 MAX_SIDECAR = 4096
+#: Sidecars one store keeps decoded (each a few hundred bytes), by key.
+SIDECAR_CACHE_ENTRIES = 1 << 16
+#: A decoded sidecar: the body digest it vouches for and its tag (None: unreadable, vouches for nothing).
+_Sidecar = tuple[str, AuthTag] | None
 R = TypeVar("R", bound=Signable)
 
 
@@ -172,6 +183,11 @@ def sidecar_key(record_key: str) -> str:
     return f"{run_id}/{AUTH_DIR}/{rest}"
 
 
+def sidecars_prefix(run_id: str, folder: str) -> str:
+    """Where the sidecars of the records under ``<run>/<folder>/`` live."""
+    return f"{run_id}/{AUTH_DIR}/{folder}/"
+
+
 class RecordAuth:
     """One store's authentication policy and keys."""
 
@@ -187,6 +203,9 @@ class RecordAuth:
                 f'auth_policy="require" needs a key: pass keyring=..., or set {ENV_KEYS}=ID:HEX (never stored with the checkpoints)'
             )
         self.keyring = keyring
+        self._lock = threading.Lock()
+        #: sidecar key -> ((size, time) its listing showed when it was read, what it holds)
+        self._sidecars: dict[str, tuple[tuple[int, float], _Sidecar]] = {}
 
     def seal(self, rec: R, run_id: str) -> R:
         """The record with its tag, when a signing key is configured."""
@@ -195,22 +214,31 @@ class RecordAuth:
         tag = self.keyring.sign(rec.kind, run_id, rec.unsigned_digest())
         return dataclasses.replace(rec, auth=tag) if tag is not None else rec  # type: ignore[type-var]
 
-    def problem(self, rec: Signable, run_id: str, io: RunIO | None = None, key: str | None = None) -> str | None:
+    def problem(
+        self, rec: Signable, run_id: str, io: RunIO | None = None, key: str | None = None,
+        sidecars: Mapping[str, ObjectInfo] | None = None,
+    ) -> str | None:
         """None if the record is authentic (or the policy is off), else why not.
-        A record without a tag of its own is looked up in its sidecar."""
+        A record without a tag of its own is looked up in its sidecar;
+        ``sidecars``: a listing of the sidecars' folder taken by the caller: a
+        sidecar it does not show is not read, one it shows is read only when
+        not cached under the same listing entry."""
         if self.policy is AuthPolicy.OFF:
             return None
         if self.keyring is None:
             return "no key configured to check it"
         tag = rec.auth
         if tag is None and io is not None and key is not None:
-            tag = self._sidecar(io, key, rec.body_digest)
+            tag = self._sidecar(io, key, rec.body_digest, sidecars)
         return self.keyring.check(rec.kind, run_id, rec.body_digest, tag)
 
-    def judge(self, rec: Signable, run_id: str, io: RunIO | None = None, key: str | None = None) -> str | None:
+    def judge(
+        self, rec: Signable, run_id: str, io: RunIO | None = None, key: str | None = None,
+        sidecars: Mapping[str, ObjectInfo] | None = None,
+    ) -> str | None:
         """:meth:`problem`, with ``warn``'s warning: returns a reason only when
         the policy requires the record to be refused."""
-        why = self.problem(rec, run_id, io, key)
+        why = self.problem(rec, run_id, io, key, sidecars)
         if why is None:
             return None
         if self.policy is AuthPolicy.WARN:
@@ -218,15 +246,46 @@ class RecordAuth:
             return None
         return why
 
+    def _sidecar(
+        self, io: RunIO, key: str, body_digest: str, listed: Mapping[str, ObjectInfo] | None,
+    ) -> AuthTag | None:
+        skey = sidecar_key(key)
+        if listed is None:
+            held = self._read_sidecar(io, skey, key)[0]
+        else:
+            info = listed.get(skey)
+            if info is None:
+                return None  # not there when the caller listed: nothing to read
+            seen = (info.size, info.mtime)
+            with self._lock:
+                hit = self._sidecars.get(skey)
+            if hit is not None and hit[0] == seen:
+                held = hit[1]
+            else:
+                held, size = self._read_sidecar(io, skey, key)
+                if size == info.size:  # unchanged since the listing: valid while the listing shows this entry
+                    with self._lock:
+                        self._sidecars.pop(skey, None)
+                        self._sidecars[skey] = (seen, held)
+                        while len(self._sidecars) > SIDECAR_CACHE_ENTRIES:
+                            self._sidecars.pop(next(iter(self._sidecars)))
+        return held[1] if held is not None and held[0] == body_digest else None
+
     @staticmethod
-    def _sidecar(io: RunIO, key: str, body_digest: str) -> AuthTag | None:
+    def _read_sidecar(io: RunIO, skey: str, key: str) -> tuple[_Sidecar, int | None]:
+        """What a sidecar holds (one bounded read) and its size (None: not read)."""
         try:
-            doc = decode_json(io.get_bounded(sidecar_key(key), MAX_SIDECAR), where=key, max_bytes=MAX_SIDECAR)
+            data = io.get_bounded(skey, MAX_SIDECAR)
         except Exception:  # noqa: BLE001 - an unreadable or missing sidecar authenticates nothing
-            return None
-        if not isinstance(doc, dict) or doc.get("body_digest") != body_digest:
-            return None
-        return AuthTag.parse(doc.get("auth"))
+            return None, None
+        try:
+            doc = decode_json(data, where=key, max_bytes=MAX_SIDECAR)
+            if not isinstance(doc, dict) or not isinstance(doc.get("body_digest"), str):
+                return None, len(data)
+            tag = AuthTag.parse(doc.get("auth"))
+        except Exception:  # noqa: BLE001 - a malformed sidecar authenticates nothing
+            return None, len(data)
+        return ((doc["body_digest"], tag) if tag is not None else None), len(data)
 
     def sign_existing(self, io: RunIO, key: str, rec: Signable) -> bool:
         """Write the sidecar tag of an existing record; False if it has one."""

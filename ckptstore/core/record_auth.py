@@ -207,6 +207,17 @@ class RecordAuth:
         #: sidecar key -> ((size, time) its listing showed when it was read, what it holds)
         self._sidecars: dict[str, tuple[tuple[int, float], _Sidecar]] = {}
 
+    def __getstate__(self) -> dict[str, object]:
+        # picklable as before (plug-ins hand the policy to other processes): without the lock and the cache
+        state = dict(self.__dict__)
+        state.pop("_lock", None)
+        state["_sidecars"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def seal(self, rec: R, run_id: str) -> R:
         """The record with its tag, when a signing key is configured."""
         if self.policy is AuthPolicy.OFF or self.keyring is None:

@@ -29,7 +29,7 @@ from ..errors import CkptStoreError, CorruptionError, NotFoundError, StoreUnavai
 from ..protocol import AttemptRecord, attempt_key, run_record_key
 from ..protocol.selection import SaveRef, Selection
 from ..retry import RetryPolicy
-from .tier_dir import QUARANTINE, check_apart, check_run_folder, open_tier_dir, quarantine_run_folder
+from .tier_dir import QUARANTINE, check_apart, check_run_folder, open_tier_dir, quarantine_run_folder, rank_folder
 
 #: Bytes read at most from a run record (PROTOCOL.md §2 cap).
 MAX_RUN_RECORD = 1 << 20
@@ -116,13 +116,19 @@ class LocalTier:
     ) -> None:
         #: the rank whose part this tier holds (a multi-rank job, ``tiers.parts``); None: whole saves
         self.part = part
+        # in this order: a link at the rank folder and a tier inside the durable run are refused
+        # before anything is created; then the tier folder is made (no link followed) and judged again
+        existing = open_tier_dir(root, part, create=False)
+        if existing is not None:
+            existing.close()
+        check_apart(os.path.join(root, rank_folder(part)) if part is not None else root, run_id, durable_url, part is not None)
         backend = open_tier_dir(root, part)
         assert backend is not None
         self.backend = backend
         self.root = Path(backend.root)
         try:
             check_run_folder(backend, run_id)
-            check_apart(backend, run_id, durable_url, anchored=part is not None)
+            check_apart(backend.root, run_id, durable_url, part is not None)
         except BaseException:
             backend.close()
             raise

@@ -130,10 +130,21 @@ def _open_below(parent: int, name: str) -> int | None:
     return fd
 
 
-def _ids(top: str, run_id: str, nofollow: bool) -> tuple[FileId, FileId | None, list[FileId]]:
-    """(id of ``top``, id of its run folder or None, the chain from the run folder — or from
-    ``top`` when absent — to ``/``)."""
-    fd = os.open(top, _DIR | (_NOFOLLOW if nofollow else 0))
+def _ids(top: str, run_id: str, nofollow: bool) -> tuple[FileId | None, FileId | None, list[FileId]]:
+    """(id of ``top``, id of its run folder, the chain from the run folder — or
+    from ``top`` when it has none — to ``/``). A ``top`` that does not exist
+    yet: (None, None, the chain of its nearest existing parent)."""
+    try:
+        fd = os.open(top, _DIR | (_NOFOLLOW if nofollow else 0))
+    except FileNotFoundError:
+        p = top
+        for _ in range(MAX_ANCESTORS):
+            p = os.path.dirname(p)
+            try:
+                return None, None, _chain(os.open(p, _DIR))
+            except FileNotFoundError:
+                continue
+        raise
     try:
         st = os.fstat(fd)
         top_id = (st.st_dev, st.st_ino)
@@ -146,23 +157,27 @@ def _ids(top: str, run_id: str, nofollow: bool) -> tuple[FileId, FileId | None, 
         os.close(fd)
 
 
-def check_apart(backend: LocalBackend, run_id: str, durable_url: str, anchored: bool) -> None:
-    """Refuse a tier whose run folder is the durable run's folder, is inside it,
-    or holds it (compared by device and inode). ``anchored``: the tier folder
-    is a rank folder below the operator's root (opened without following)."""
+def check_apart(tier: str | os.PathLike[str], run_id: str, durable_url: str, anchored: bool) -> None:
+    """Refuse a tier folder ``tier`` whose run folder is the durable run's
+    folder, is inside it, or holds it (compared by device and inode; a tier
+    folder not created yet is judged by its nearest existing parent, so the
+    check runs before anything is created). ``anchored``: ``tier`` is a rank
+    folder below the operator's root (its last component is not followed)."""
     d = durable_dir(durable_url)
     if d is None:
         return
+    where = os.path.abspath(os.fspath(tier))
     try:
-        tier_id, tier_run, tier_chain = _ids(backend.root, run_id, anchored)
+        tier_id, tier_run, tier_chain = _ids(where, run_id, anchored)
         durable_id, durable_run, durable_chain = _ids(d, run_id, False)
     except LocalTierRefusedError:
         raise
     except OSError as exc:
-        raise LocalTierRefusedError(f"local tier {backend.root}: cannot be compared with the durable store {d} "
-                                    f"({exc.strerror}); check both folders and open again") from None
+        raise LocalTierRefusedError(f"local tier {where}: cannot be compared with the durable store {d} "
+                                    f"({exc.strerror}); check both folders (remove any link there) and open "
+                                    "again") from None
     why = None
-    if tier_id == durable_id:
+    if tier_id is not None and tier_id == durable_id:
         why = "is the durable store's own folder (its run folder would be the durable run's)"
     elif durable_run is not None and durable_run in tier_chain:
         why = "lies inside the durable run's folder (or its run folder is that folder)"
@@ -170,8 +185,8 @@ def check_apart(backend: LocalBackend, run_id: str, durable_url: str, anchored: 
         why = "holds the durable run's folder inside its run folder"
     if why is not None:
         raise LocalTierRefusedError(
-            f"local tier {backend.root} {why} ({d}): the tier's retention would delete durable saves. Nothing was "
-            "written. Choose a local_tier on this machine's own disk outside the durable store "
+            f"local tier {where} {why} ({d}): the tier's retention would delete durable saves. Nothing was "
+            "written. Choose another local_tier, on this machine's own disk outside the durable store "
             "(and remove any link that points it there)")
 
 

@@ -324,3 +324,40 @@ def test_a_newer_attempt_on_the_same_tier_still_fences_the_old_writer(
     old.close()
     new.close()
     assert durable_saves(backend_factory()) == {1: payload(1), 2: payload(2)}
+
+
+# ------------------------------------------------------- two gloo ranks
+@pytest.mark.backends("local")
+def test_a_rank_folder_link_on_a_job_of_two_ranks_refuses_the_job(tmp_path: Path) -> None:
+    """``open_distributed(..., local_tier=...)`` with 2 gloo ranks: rank 1's
+    folder is a link to the durable store's directory. The job's open fails
+    on every rank (all ranks or none) with the refusal; the durable saves and
+    the durable directory's saves are untouched; with the link removed the
+    job resumes from the durable save, bit for bit."""
+    pytest.importorskip("torch.distributed")
+    from tests.workers.dist_launch import run_job
+    from tests.workers.dist_worker import blob
+
+    worker = str(Path(__file__).parents[1] / "workers" / "tier_rank_worker.py")
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    res = run_job(2, str(durable), "tiers", args={"local": str(local), "steps": [1], "flush": 20}, worker=worker,
+                  timeout=90)
+    assert all(r.results["save1"]["ok"] and r.results["flush"]["ok"] for r in res), [r.results for r in res]
+    shutil.rmtree(local / "rank-1")
+    (local / "rank-1").symlink_to(durable)
+    saves_before = snapshot(durable / "run" / "saves")
+    res = run_job(2, str(durable), "tiers", args={"local": str(local), "steps": [2]}, worker=worker, timeout=90)
+    opens = [r.results.get("open", {}) for r in res]
+    assert not any(o.get("ok") for o in opens), opens
+    assert any(o.get("type") == "LocalTierRefusedError" and "rank-1" in o.get("message", "") for o in opens), opens
+    assert snapshot(durable / "run" / "saves") == saves_before
+    (local / "rank-1").unlink()
+    res = run_job(2, str(durable), "tiers", args={"local": str(local), "steps": [2], "flush": 20}, worker=worker,
+                  timeout=90)
+    for r in res:
+        assert r.results["open"]["ok"] and r.results["open"]["resumed"] == 1, r.results
+        assert r.results["read"]["ok"], r.results  # each rank's part, verified (blob(1, rank))
+        assert r.results["save2"]["ok"] and r.results["flush"]["ok"], r.results
+    with CheckpointStore.open(str(durable), "run", mode="r") as s:
+        ref = s.latest_complete(deep=True)
+        assert ref is not None and ref.step == 2 and s.read(ref, "rank1/model") == blob(2, 1)

@@ -40,6 +40,16 @@ class LimitReachedError(StoreUnavailableError):
     way out (records to remove, an explicit resume point)."""
 
 
+class LocalTierRefusedError(StoreUnavailableError):
+    """The local tier of a two-tier store cannot be used as found (``docs/tiers.md``
+    "What the tier refuses"): a symbolic link or non-directory where one of the
+    tier's folders belongs (``rank-<r>``, the run's folder, ``.quarantine``), a
+    tier whose run folder is the durable run's folder or lies inside it (or holds
+    it), or a local run folder that must be set aside but cannot be moved. Nothing
+    was written through the link or into the durable store; the message names the
+    path and what to do (remove the link, choose another ``local_tier``)."""
+
+
 class ResumeRefusedError(CkptStoreError):
     """A writer's open with ``resume_from="latest"`` was refused: the run has
     commits in its history but none can be selected, and starting from nothing

@@ -304,8 +304,12 @@ class CheckpointStore:
         save complete in either tier; a local copy is used only when its attempt counts in the durable
         records and it verifies, else the durable copy, else an older save (``resume-tier`` event).
         ``tier_rank`` / ``tier_peers``: set by :func:`ckptstore.distributed.open_distributed` for a
-        job of many ranks (``local_tier`` is then that rank's own ``<local_tier>/rank-<r>`` and holds
-        that rank's part of each save; ``docs/tiers.md`` "Many ranks"); not for direct use.
+        job of many ranks (``local_tier`` is then the job's tier root and the rank's own folder
+        ``<local_tier>/rank-<r>`` holds that rank's part of each save; ``docs/tiers.md`` "Many ranks");
+        not for direct use. Below ``local_tier`` nothing is followed: a link or non-directory at the
+        rank folder, the run's folder or ``.quarantine``, or a tier whose run folder is (or lies inside,
+        or holds) the durable run's folder, is :class:`~ckptstore.errors.LocalTierRefusedError`
+        (``docs/tiers.md`` "What the tier refuses").
         """
         from .backends.schemes import backend_from_url
 

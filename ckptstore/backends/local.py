@@ -81,11 +81,20 @@ class LocalBackend(Backend):
         create_root: bool = True,
         file_mode: int = DEFAULT_FILE_MODE,
         dir_mode: int = DEFAULT_DIR_MODE,
+        anchor: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``anchor``: the directory (``root`` or one above it) below which
+        nothing is followed; by default ``root`` itself. A local tier's rank
+        folder ``<tier>/rank-3`` opened with ``anchor=<tier>`` is itself
+        resolved without following links (a link planted at ``rank-3`` is
+        refused, never written through); the anchor is the operator's."""
         self.root = os.path.abspath(os.fspath(root))
         self.url = Path(self.root).as_uri()
         self.ops = ops or PosixOps()
-        self.ops.attach(self.root, file_mode=_mode("file_mode", file_mode), dir_mode=_mode("dir_mode", dir_mode))
+        top = self.root if anchor is None else os.path.abspath(os.fspath(anchor))
+        if top != self.root and not self.root.startswith(top.rstrip(os.sep) + os.sep):
+            raise InvalidInputError(f"{self.root}: the anchor {top} is not a directory above it")
+        self.ops.attach(top, file_mode=_mode("file_mode", file_mode), dir_mode=_mode("dir_mode", dir_mode))
         if self.ops.exists(self.root) and not self.ops.is_dir(self.root):
             raise InvalidInputError(f"{self.root}: exists and is not a directory")
         if create_root:

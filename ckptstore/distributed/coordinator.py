@@ -46,7 +46,7 @@ from ..protocol.records import PieceRef, pieces_digest
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
 from ..store import CheckpointStore
-from ..tiers.parts import local_holdings, rank_root
+from ..tiers.parts import local_holdings
 from .agreement import FlagAgreement, PeerLostError
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after
@@ -424,7 +424,7 @@ def open_distributed(
         hello: dict[str, Any] = {"identity_digest": identity_digest(args.identity)}
         if tiers is not None and not ch.is_coordinator:
             # what this rank holds verified in its own local tier, for the coordinator's resume decision
-            held, why = local_holdings(rank_root(tiers.root, ch.rank), args.run_id, ch.rank,
+            held, why = local_holdings(tiers.root, args.run_id, ch.rank,
                                        identity_digest(args.identity), RecordAuth("off", None))
             hello["local"] = {"held": held, "reasons": why[:20]}
         ch.post(tag, "hello", hello)
@@ -448,7 +448,7 @@ class _TierArgs:
 
     def options(self, rank: int, peers: Mapping[int, Mapping[str, Any]] | None) -> dict[str, Any]:
         """:meth:`CheckpointStore.open` keywords of rank ``rank``."""
-        return {"local_tier": rank_root(self.root, rank), "tier_rank": rank, "tier_peers": peers,
+        return {"local_tier": self.root, "tier_rank": rank, "tier_peers": peers,
                 "local_keep": self.keep, "replicate_every": self.every, "max_replication_lag": self.max_lag,
                 "close_flush_seconds": self.close_flush}
 

@@ -14,11 +14,10 @@ attempt's save is superseded there exactly as in the durable tier.
 from __future__ import annotations
 
 import os
-import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from ..backends.local import LocalBackend
 from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, Scan
 from ..core.collector import GcReport, collect
@@ -30,50 +29,133 @@ from ..errors import CkptStoreError, CorruptionError, NotFoundError, StoreUnavai
 from ..protocol import AttemptRecord, attempt_key, run_record_key
 from ..protocol.selection import SaveRef, Selection
 from ..retry import RetryPolicy
+from .tier_dir import QUARANTINE, check_apart, check_run_folder, open_tier_dir, quarantine_run_folder, rank_folder
 
 #: Bytes read at most from a run record (PROTOCOL.md §2 cap).
 MAX_RUN_RECORD = 1 << 20
-#: Where a local tier that is not this run's is moved (never a run ID: it starts with a dot).
-QUARANTINE = ".quarantine"
+
+__all__ = ["MAX_RUN_RECORD", "QUARANTINE", "LocalTier", "MirroredAttempts"]
+
+
+class MirroredAttempts(AttemptLog):
+    """The local tier's copies of the attempt records, as the local writer's
+    fences and the local gc see them. The durable tier is the one source of
+    attempts: a local record counts only when the durable tier holds the same
+    record (the same bytes). One the durable tier never had (planted, or left
+    by another store) is ignored — it fences nothing and stops no gc — and
+    reported once through ``on_ignored``. While the durable tier cannot be
+    read, an unconfirmed local record counts (the fence holds: fail closed)."""
+
+    def __init__(self, io: RunIO, auth: RecordAuth, durable: AttemptLog) -> None:
+        super().__init__(io, auth)
+        self.durable = durable
+        #: number -> the canonical bytes of the durable record (confirmed)
+        self.confirmed: dict[int, bytes] = {}
+        #: number -> why the local record is ignored
+        self.ignored: dict[int, str] = {}
+        #: called once per newly ignored number with (number, why)
+        self.on_ignored: Callable[[int, str], None] | None = None
+
+    def confirm(self, rec: AttemptRecord) -> None:
+        """``rec`` is a durable attempt record (read from the durable tier)."""
+        self.confirmed[rec.number] = rec.encode()
+
+    def _ignore(self, n: int, why: str) -> None:
+        if n not in self.ignored:
+            self.ignored[n] = why
+            if self.on_ignored is not None:
+                self.on_ignored(n, why)
+
+    def _counts(self, n: int, rec: AttemptRecord) -> bool:
+        data = rec.encode()
+        if self.confirmed.get(n) == data:
+            return True
+        if n in self.ignored:
+            return False
+        try:
+            durable = self.durable.read(n)
+        except NotFoundError:
+            self._ignore(n, "the durable tier has no attempt record of that number")
+            return False
+        except CorruptionError as exc:
+            self._ignore(n, f"the durable record of that number is unusable ({str(exc)[:200]})")
+            return False
+        except CkptStoreError:
+            return True  # the durable tier cannot tell now: the fence holds
+        if durable.encode() != data:
+            self._ignore(n, "it differs from the durable record of that number")
+            return False
+        self.confirmed[n] = data
+        return True
+
+    def load(self) -> AttemptView:
+        """The local attempt records the durable tier confirms (see the class
+        docstring); a local record that cannot be read is ignored and reported
+        too (the durable tier's own unreadable records are never mirrored)."""
+        view = super().load()
+        for n, why in sorted(view.unreadable.items()):
+            self._ignore(n, f"unreadable ({why[:200]})")
+        return AttemptView({n: r for n, r in view.records.items() if self._counts(n, r)}, {}, view.junk)
 
 
 class LocalTier:
     """One run's local tier: its I/O, a mirror of the durable attempt records,
     a catalog judged by the durable attempts (selection) and one judged by the
-    local mirror (local gc, which never needs the durable tier)."""
+    local mirror (local gc, which never needs the durable tier).
+
+    ``root`` is the operator's tier root, opened as given; with ``part`` (a
+    rank of a job) the tier is the folder ``<root>/rank-<part>``. That folder,
+    the run's folder and ``.quarantine`` are created and opened without
+    following links, and a tier whose run folder is (or lies inside, or holds)
+    the durable run's folder (``durable_url``, a ``file://`` store) is refused
+    (:mod:`.tier_dir`, :class:`~ckptstore.errors.LocalTierRefusedError`)."""
 
     def __init__(
         self, root: str | os.PathLike[str], run_id: str, durable_attempts: AttemptLog, identity_digest: str,
-        auth: RecordAuth, retry: RetryPolicy | None, part: int | None = None,
+        auth: RecordAuth, retry: RetryPolicy | None, part: int | None = None, durable_url: str = "",
     ) -> None:
         #: the rank whose part this tier holds (a multi-rank job, ``tiers.parts``); None: whole saves
         self.part = part
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.backend = LocalBackend(self.root)
+        # in this order: a link at the rank folder and a tier inside the durable run are refused
+        # before anything is created; then the tier folder is made (no link followed) and judged again
+        existing = open_tier_dir(root, part, create=False)
+        if existing is not None:
+            existing.close()
+        check_apart(os.path.join(root, rank_folder(part)) if part is not None else root, run_id, durable_url, part is not None)
+        backend = open_tier_dir(root, part)
+        assert backend is not None
+        self.backend = backend
+        self.root = Path(backend.root)
+        try:
+            check_run_folder(backend, run_id)
+            check_apart(backend.root, run_id, durable_url, part is not None)
+        except BaseException:
+            backend.close()
+            raise
         self.io = RunIO(self.backend, run_id, retry)
         self.run_id = run_id
         self.durable_attempts = durable_attempts
         self.identity_digest = identity_digest
         self.auth = auth
-        self.attempts = AttemptLog(self.io, auth)
+        self.attempts = MirroredAttempts(self.io, auth, durable_attempts)
         #: selection: local saves judged by the durable attempt records
         self.catalog = self._catalog(durable_attempts)
         #: local gc: local saves judged by the local mirror only
         self.own_catalog = self._catalog(self.attempts)
         #: why the local tier was set aside at open (None when it was usable)
         self.quarantined: str | None = None
+        #: where it was moved (None when nothing was moved)
+        self.quarantined_to: str | None = None
 
     # ---------------------------------------------------------------- mirror
     def _quarantine(self, why: str) -> None:
-        """Move this run's local directory aside (never deleted: evidence) and start empty."""
-        src = self.root / self.run_id
-        if src.exists():
-            dest = self.root / QUARANTINE / f"{self.run_id}-{time.time_ns()}"
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dest)
+        """Move this run's local folder aside (never deleted: evidence) and start empty."""
+        self.quarantined_to = quarantine_run_folder(self.backend, self.run_id) or self.quarantined_to
         self.quarantined = why
-        self.attempts = AttemptLog(self.io, self.auth)
+        old = self.attempts
+        self.attempts = MirroredAttempts(self.io, self.auth, self.durable_attempts)
+        self.attempts.confirmed.update(old.confirmed)
+        self.attempts.on_ignored = old.on_ignored
         self.own_catalog = self._catalog(self.attempts)
         self.catalog = self._catalog(self.durable_attempts)
 
@@ -94,7 +176,11 @@ class LocalTier:
     def mirror(self, run_record: bytes, view: AttemptView) -> None:
         """Copy the durable run record and attempt records into the local tier.
         A local tier whose copies differ (another run's, another machine's
-        with the same run ID) is quarantined first and the copy made afresh."""
+        with the same run ID) is quarantined first and the copy made afresh.
+        A local attempt record the durable tier never had is ignored and
+        reported (:class:`MirroredAttempts`; its numbers in :attr:`ignored_attempts`)."""
+        for rec in view.records.values():
+            self.attempts.confirm(rec)
         for _ in range(2):
             ok = self._copy(run_record_key(self.run_id), run_record, "run record copy")
             bad = None if ok else "its RUN.json is not the durable run's (another run's local tier)"
@@ -104,12 +190,19 @@ class LocalTier:
                         bad = f"its attempt record {n} differs from the durable one (another run's or machine's tier)"
                         break
             if bad is None:
+                self.attempts.load()  # a local-only record is noticed (and reported) now, not at the first save
                 return
             self._quarantine(bad)
         raise StoreUnavailableError(f"local tier {self.root}: cannot mirror the run's records ({bad})")
 
+    @property
+    def ignored_attempts(self) -> dict[int, str]:
+        """Local attempt records ignored so far: number -> why."""
+        return dict(self.attempts.ignored)
+
     def add_attempt(self, rec: AttemptRecord) -> None:
         """Mirror one newly registered attempt record."""
+        self.attempts.confirm(rec)
         if not self._copy(attempt_key(self.run_id, rec.number), rec.encode(), "attempt record copy"):
             self._quarantine(f"its attempt record {rec.number} differs from the durable one")
             self._copy(attempt_key(self.run_id, rec.number), rec.encode(), "attempt record copy")

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..backends.local import LocalBackend
 from ..core.binding import read_run_record
 from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, part_names
@@ -38,6 +37,7 @@ from ..errors import CkptStoreError, TransientError
 from ..protocol import save_prefix
 from ..protocol.selection import SaveRef
 from .replicator import commit_durable, upload_components
+from .tier_dir import check_run_folder, open_tier_dir, rank_folder
 
 #: the newest local commits a rank reports as verified (each costs a re-hash of its part at open)
 MAX_HOLDINGS = 2
@@ -53,25 +53,34 @@ class PartsMissingError(TransientError):
 
 
 def rank_root(local_tier: str | os.PathLike[str], rank: int) -> Path:
-    """The local tier directory of rank ``rank`` under the job's ``local_tier``."""
-    if rank < 0:
-        raise ValueError("rank must be >= 0")
-    return Path(local_tier) / f"rank-{rank}"
+    """The local tier directory of rank ``rank`` under the job's ``local_tier``
+    (for messages and tests: the tier opens it only below ``local_tier``,
+    without following a link, :func:`~ckptstore.tiers.tier_dir.open_tier_dir`)."""
+    return Path(local_tier) / rank_folder(rank)
 
 
-def local_holdings(root: str | os.PathLike[str], run_id: str, rank: int, identity_digest: str,
+def local_holdings(local_tier: str | os.PathLike[str], run_id: str, rank: int, identity_digest: str,
                    auth: RecordAuth, limit: int = MAX_HOLDINGS) -> tuple[list[dict[str, Any]], list[str]]:
-    """The newest (at most ``limit``) commits of ``run_id`` in the local tier
-    ``root`` whose part for ``rank`` verifies (sizes and BLAKE3), as
+    """The newest (at most ``limit``) commits of ``run_id`` in rank ``rank``'s
+    local tier (``<local_tier>/rank-<r>``, opened without following links)
+    whose part for ``rank`` verifies (sizes and BLAKE3), as
     ``{"step", "attempt", "save_id", "manifest_digest"}``, and the reasons the
     others looked at did not. Reads only the local directory; never raises for
-    a bad or missing local tier (an empty answer)."""
+    a bad or missing local tier (an empty answer: a link at the rank folder or
+    at the run's folder holds nothing)."""
     held: list[dict[str, Any]] = []
     reasons: list[str] = []
-    path = Path(root)
-    if not (path / run_id).is_dir():
+    path = rank_root(local_tier, rank)
+    try:
+        backend = open_tier_dir(local_tier, rank, create=False)
+        if backend is not None:
+            check_run_folder(backend, run_id)
+    except CkptStoreError as exc:
+        return held, [f"rank {rank}: {exc}"[:300]]
+    if backend is None or not backend.ops.is_dir(os.path.join(backend.root, run_id)):
+        if backend is not None:
+            backend.close()
         return held, [f"rank {rank}: no local tier of this run at {path}"]
-    backend = LocalBackend(path)
     try:
         io = RunIO(backend, run_id, None)
         read_run_record(io, None)  # the local copy of the durable run record: the layout of its names

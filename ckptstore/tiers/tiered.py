@@ -137,7 +137,9 @@ class TierSet:
         self.peers = dict(peers) if peers is not None else None
         #: the newest step this process's local tier could have resumed from (before the all-ranks check)
         self._local_newest: int | None = None
-        self.local = LocalTier(root, durable_io.run_id, durable_attempts, identity_digest, auth, retry, part=rank)
+        self.local = LocalTier(root, durable_io.run_id, durable_attempts, identity_digest, auth, retry, part=rank,
+                               durable_url=durable_io.backend.url)
+        self.local.attempts.on_ignored = self._ignored_attempt
         self.local.io.layout_or_none = durable_io.layout  # the durable run record decides the naming
         self.reader = Reader(self.local.catalog)
         self.replicator: Replicator | None = None
@@ -160,6 +162,14 @@ class TierSet:
         self.early = EarlyUploads(self.local.io, durable_io) if early and rank is None else None
 
     # ------------------------------------------------------------------ open
+    def _ignored_attempt(self, number: int, why: str) -> None:
+        """A local attempt record the durable tier never had: recorded (best
+        effort), never counted (:class:`~ckptstore.tiers.local.MirroredAttempts`)."""
+        try:
+            self.record("local-attempt-ignored", {"number": number, "why": why[:300], "tier": str(self.local.root)})
+        except CkptStoreError:
+            pass
+
     def prepare(self, view: AttemptView) -> None:
         """Before the attempt is registered: mirror the run record and attempts."""
         data = self.durable_io.get_bounded(run_record_key(self.durable_io.run_id), MAX_RUN_RECORD)
@@ -237,6 +247,7 @@ class TierSet:
             "step": resumed.step if resumed else None, "save_id": resumed.save_id if resumed else None,
             "durable_newest_step": durable_newest,
             "local_quarantined": self.local.quarantined,
+            "local_ignored_attempts": sorted(self.local.ignored_attempts)[:20],
             "local_reasons": self._local_reasons[:20],
             "steps_lost_with_local_tier": self._steps_lost(resumed),
         }

@@ -21,11 +21,11 @@ IDENT = {"model": "tiny", "world_size": 2}
 def pair(tmp_path: Path, peers: dict[int, Any] | None = None, every: int = 1) -> tuple[CheckpointStore, CheckpointStore]:
     url = str(tmp_path / "durable")
     coord = CheckpointStore.open(url, "run", identity=IDENT, single_writer=True, tier_rank=0, tier_peers=peers or {},
-                                 local_tier=rank_root(tmp_path / "local", 0), close_flush_seconds=0.5,
+                                 local_tier=tmp_path / "local", close_flush_seconds=0.5,
                                  replicate_every=every, local_keep=5)
     assert coord.attempt is not None
     member = CheckpointStore.open(url, "run", identity=IDENT, join_attempt=coord.attempt.number, tier_rank=1,
-                                  local_tier=rank_root(tmp_path / "local", 1), close_flush_seconds=0.5,
+                                  local_tier=tmp_path / "local", close_flush_seconds=0.5,
                                   replicate_every=every, local_keep=5)
     return coord, member
 
@@ -86,17 +86,17 @@ def test_holdings_report_only_parts_that_verify(tmp_path: Path) -> None:
     member.close()
     root = rank_root(tmp_path / "local", 1)
     auth = RecordAuth("off", None)
-    held, why = local_holdings(root, "run", 1, coord.identity_digest, auth)
+    held, why = local_holdings(tmp_path / "local", "run", 1, coord.identity_digest, auth)
     assert [h["save_id"] for h in held] == [r2.save_id, r1.save_id] and not why
     victim = root / "run" / "saves" / r2.save_id / "rank1" / "w"
     data = bytearray(victim.read_bytes())
     data[10] ^= 0x80
     victim.write_bytes(bytes(data))
-    held, why = local_holdings(root, "run", 1, coord.identity_digest, auth)
+    held, why = local_holdings(tmp_path / "local", "run", 1, coord.identity_digest, auth)
     assert [h["save_id"] for h in held] == [r1.save_id]
     assert "BLAKE3" in why[0]
     assert local_holdings(tmp_path / "nowhere", "run", 1, coord.identity_digest, auth) == (
-        [], [f"rank 1: no local tier of this run at {tmp_path / 'nowhere'}"])
+        [], [f"rank 1: no local tier of this run at {tmp_path / 'nowhere' / 'rank-1'}"])
 
 
 def test_the_coordinator_resumes_locally_only_when_every_rank_holds_the_part(tmp_path: Path) -> None:
@@ -107,8 +107,7 @@ def test_the_coordinator_resumes_locally_only_when_every_rank_holds_the_part(tmp
     coord.close()
     member.close()
     # rank 0 holds step 1 locally; which tier the job resumes from depends on what rank 1 reports
-    root1 = rank_root(tmp_path / "local", 1)
-    held, _ = local_holdings(root1, "run", 1, coord.identity_digest, RecordAuth("off", None))
+    held, _ = local_holdings(tmp_path / "local", "run", 1, coord.identity_digest, RecordAuth("off", None))
     c2, m2 = pair(tmp_path, peers={1: {"held": held, "reasons": []}})
     assert c2.resumed_from is not None and c2.resumed_from.tier == "both"
     c2.close()
@@ -140,7 +139,7 @@ def test_the_newest_save_every_rank_holds_wins_over_an_older_durable_one(tmp_pat
     member.flush(10)
     coord.close()
     member.close()
-    held, _ = local_holdings(rank_root(tmp_path / "local", 1), "run", 1, coord.identity_digest, RecordAuth("off", None))
+    held, _ = local_holdings(tmp_path / "local", "run", 1, coord.identity_digest, RecordAuth("off", None))
     assert [h["step"] for h in held] == [3, 2]  # the newest two that verify
     # rank 1 lost step 3 (say its local commit failed): the job resumes from step 2, locally, on every rank
     c2, m2 = pair(tmp_path, peers={1: {"held": held[1:], "reasons": []}})

@@ -9,6 +9,7 @@ for that step), and no save acknowledged durable is ever lost."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -21,7 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ckptstore import CheckpointStore
 from ckptstore.backends.faults import FaultyBackend, transient
 from ckptstore.backends.local import LocalBackend
-from ckptstore.protocol import component_key
+from ckptstore.errors import LocalTierRefusedError
+from ckptstore.protocol import AttemptRecord, attempt_key, component_key
 from ckptstore.protocol.pieces import PACK_BYTES
 from ckptstore.retry import RetryPolicy
 from tests.incremental.common import GRACE, TIMING
@@ -205,3 +207,115 @@ class TwoTiersWithPieces(TwoTiers):
 def test_two_tier_state_machine_with_pieces() -> None:
     run_state_machine_as_test(TwoTiersWithPieces,
                               settings=settings(max_examples=8, stateful_step_count=12, deadline=None))
+
+
+class TwoTiersPlanted(TwoTiers):
+    """The machine above with hostile objects planted in the tier root
+    (issue 30, THREATS.md §4.12): a link at the run's folder (to the durable
+    run's folder or to a user's folder), a ``.quarantine`` link with a foreign
+    run record that forces a quarantine, the tier root pointing at the durable
+    store itself, and a local attempt record the durable tier never had. Each
+    refused open must be a ``LocalTierRefusedError`` that changed nothing; on
+    top of the invariants above, nothing outside the tier and the store ever
+    changes and every save acknowledged durable still reads back bit for bit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside = self.dir / "outside"
+        (self.outside / "run").mkdir(parents=True)
+        (self.outside / "run" / "notes.txt").write_bytes(b"a user's file")
+        self.outside_before = _tree(self.outside)
+        self.planted_attempt = 40
+
+    def _refused(self, tier: Path) -> None:
+        """An open on ``tier`` is refused and changes nothing in the durable store."""
+        before = _tree(self.dir / "durable")
+        try:
+            s = CheckpointStore.open(self._durable(), "run", identity=IDENT, local_tier=tier, retry=FAST)
+        except LocalTierRefusedError as exc:
+            assert "remove" in str(exc) or "choose another local_tier" in str(exc).lower(), str(exc)
+        else:
+            s.close()
+            raise AssertionError(f"an open of the planted tier {tier} was not refused")
+        assert _tree(self.dir / "durable") == before
+
+    @rule(to=st.sampled_from(["durable", "outside"]))
+    def plant_run_folder_link(self, to: str) -> None:
+        self.store.close()
+        self.down.clear()
+        run, aside = self.local / "run", self.local / "run.aside"
+        had = run.is_dir()
+        if had:
+            run.rename(aside)
+        self.local.mkdir(parents=True, exist_ok=True)
+        run.symlink_to(self.dir / "durable" / "run" if to == "durable" else self.outside / "run")
+        self._refused(self.local)
+        run.unlink()
+        if had:
+            aside.rename(run)
+        self.store = self._open()
+
+    @rule()
+    def point_the_tier_at_the_durable_store(self) -> None:
+        self.store.close()  # its replicator no longer writes to the durable store while it is compared
+        self.down.clear()
+        self._refused(self.dir / "durable")
+        self._refused(self.dir / "durable" / "run")
+        self.store = self._open()
+
+    @rule()
+    def plant_quarantine_link(self) -> None:
+        self.store.close()
+        self.down.clear()
+        q = self.local / ".quarantine"
+        if q.is_dir() and not q.is_symlink():
+            q.rename(self.local / ".quarantine-old")
+        (self.local / "run").mkdir(parents=True, exist_ok=True)
+        rr = self.local / "run" / "RUN.json"
+        if rr.exists():
+            rr.unlink()
+        rr.write_bytes(b'{"another":"run"}')
+        q.symlink_to(self.outside)
+        before = _tree(self.local)
+        self._refused(self.local)
+        assert _tree(self.local) == before  # nothing moved
+        q.unlink()
+        self.store = self._open()  # now set aside into a real .quarantine
+        assert (self.local / ".quarantine").is_dir() and not (self.local / ".quarantine").is_symlink()
+
+    @rule()
+    def plant_local_attempt(self) -> None:
+        p = self.local / attempt_key("run", self.planted_attempt)
+        if not p.parent.is_dir() or p.exists():
+            return
+        p.write_bytes(AttemptRecord("run", self.planted_attempt, 0, "e" * 32, 1.0, (), "elsewhere").encode())
+        self.planted_attempt += 1
+
+    @invariant()
+    def nothing_outside_changed(self) -> None:
+        assert _tree(self.outside) == self.outside_before
+
+    @invariant()
+    def acknowledged_durable_saves_read_back(self) -> None:
+        r = CheckpointStore.open(LocalBackend(self.dir / "durable"), "run", mode="r")
+        by_id = {i.save_id: i for i in r.list_saves()}
+        for sid, step in sorted(self.acked.items()):
+            info = by_id.get(sid)
+            assert info is not None and info.ref is not None, (sid, step)
+            assert r.read(info.ref, "a") == self.written[sid], (sid, step)
+
+
+def _tree(top: Path) -> dict[str, bytes | str]:
+    """Every entry under ``top``, links not followed: a file's bytes, a link's target, a folder."""
+    out: dict[str, bytes | str] = {}
+    for dirpath, dirs, files in os.walk(top):
+        for n in dirs + files:
+            p = Path(dirpath) / n
+            out[str(p.relative_to(top))] = (os.readlink(p) if p.is_symlink() else "dir" if p.is_dir()
+                                            else p.read_bytes())
+    return out
+
+
+def test_two_tier_state_machine_with_planted_links() -> None:
+    run_state_machine_as_test(TwoTiersPlanted, settings=settings(max_examples=8, stateful_step_count=12,
+                                                                 deadline=None))

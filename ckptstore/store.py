@@ -192,7 +192,8 @@ class CheckpointStore:
             assert self.attempt is not None
             self._pieces = PieceWriter(self._io, self.attempt.number, o.piece_timing)
             # the newest commit's pieces, known in memory: the first save skips them
-            self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None)
+            self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None,
+                               verified=self._resume_deep)
 
     def _open_tiers(self, o: OpenOptions) -> TierSet:
         if o.join_attempt is not None and o.tier_rank is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..backends.base import ObjectInfo
@@ -92,10 +92,11 @@ class Scan:
     pieces_listed_at: float = 0.0
 
     @classmethod
-    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True) -> Scan:
+    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True,
+             clock: Callable[[], float] = time.time) -> Scan:
         # pieces are listed before the commits (§9.5): a piece a commit listed
         # later names was either in this listing or is younger than it
-        pieces_at = time.time()
+        pieces_at = clock()
         pieces = list_pieces(io) if with_saves and io.layout.pieces else None
         commits = CommitKeys(io).listed()
         save_objects: dict[str, dict[str, ObjectInfo]] = {}
@@ -174,8 +175,11 @@ class Catalog:
         #: components the record's ``ranks`` map gives this rank are checked; None: all
         self.part: int | None = None
 
-    def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True) -> Scan:
-        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves)
+    def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True,
+             clock: Callable[[], float] = time.time) -> Scan:
+        """One listing of the run; ``clock`` dates the pieces listing (gc ages pieces by it, §9.5)."""
+        return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves,
+                         clock=clock)
 
     def _objects_of(self, scan: Scan, save_id: str) -> dict[str, ObjectInfo]:
         if scan.saves_listed:

@@ -143,8 +143,8 @@ def sweep_pieces(
     :data:`MAX_INTENTS` intents and :data:`MAX_INTENT_BYTES` of them, at most
     :data:`MAX_IDLE_ROUNDS` rounds in a row that delete nothing, at most
     :data:`MAX_SWEEP_ROUNDS` in all; an intent dated implausibly (created later
-    than gc's clock plus :data:`INTENT_CLOCK_SKEW`, or expiring before it was
-    created) refuses the sweep. Every refusal or stop sets ``pieces_refused``."""
+    than gc's clock plus :data:`INTENT_CLOCK_SKEW`; one expiring before it was
+    created does not decode) refuses the sweep. Every refusal or stop sets ``pieces_refused``."""
     io = catalog.io
     assert scan.pieces is not None
     marks = _commit_marks(catalog, scan, deleted)
@@ -218,16 +218,12 @@ def sweep_pieces(
 
 def implausible_intent(key: str, rec: IntentRecord, now: float, grace_seconds: float) -> str | None:
     """Why gc must not sweep while intent ``rec`` exists (§9.5 step 4), or None:
-    it lives longer than the grace period, expires before it was created, or
-    was created later than gc's clock plus :data:`INTENT_CLOCK_SKEW` (a writer's
+    it lives longer than the grace period, or was created later than gc's clock plus :data:`INTENT_CLOCK_SKEW` (a writer's
     clock that far ahead, or a planted intent, would keep its pieces for ever)."""
     life = rec.expires_at - rec.created_at
     if life > grace_seconds:
         return (f"save intent {key} lives {life:.0f}s, longer than the grace period ({grace_seconds:.0f}s); no piece "
                 "is swept (use a grace period at least as long as the intents')")
-    if life < 0:
-        return (f"save intent {key} expires before it was created; no piece is swept while it exists "
-                "(no ckptstore writer made it: remove it by hand)")
     if rec.created_at > now + INTENT_CLOCK_SKEW:
         return (f"save intent {key} was created {rec.created_at - now:.0f}s after gc's clock says it is now "
                 f"(more than {INTENT_CLOCK_SKEW:.0f}s ahead); no piece is swept while it exists (fix the writer's "

@@ -192,7 +192,18 @@ class CheckpointStore:
             assert self.attempt is not None
             self._pieces = PieceWriter(self._io, self.attempt.number, o.piece_timing)
             # the newest commit's pieces, known in memory: the first save skips them
-            self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None)
+            self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None,
+                               verified=self._resume_deep)
+
+    @property
+    def damaged_pieces(self) -> list[str]:
+        """Version 3: what this writer's evidence checks found, one line per
+        known piece that had changed, shrunk or failed its re-hash (PROTOCOL.md
+        §9.2 "Evidence"), newest last; each was written again by the save that
+        found it (that save is restorable). Each also came as a
+        :class:`~ckptstore.core.pieces.DamagedPieceWarning`. Empty otherwise."""
+        w = self._pieces if self._tiers is None else self._tiers.pieces
+        return list(w.damaged) if w is not None else []
 
     def _open_tiers(self, o: OpenOptions) -> TierSet:
         if o.join_attempt is not None and o.tier_rank is None:

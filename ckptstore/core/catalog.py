@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..backends.base import ObjectInfo
@@ -102,12 +102,14 @@ class Scan:
     sidecars: dict[str, ObjectInfo] | None = None
 
     @classmethod
-    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True, sidecars: bool = False) -> Scan:
+    def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True, sidecars: bool = False,
+             clock: Callable[[], float] = time.time) -> Scan:
         """``sidecars``: also list the commit records' auth sidecars (one listing), so
-        judging a record reads its sidecar only when the listing shows one."""
+        judging a record reads its sidecar only when the listing shows one. ``clock``
+        dates the pieces listing (gc ages pieces by it, §9.5)."""
         # pieces are listed before the commits (§9.5): a piece a commit listed
         # later names was either in this listing or is younger than it
-        pieces_at = time.time()
+        pieces_at = clock()
         pieces = list_pieces(io) if with_saves and io.layout.pieces else None
         names = CommitKeys(io)
         commits = names.listed()
@@ -190,9 +192,12 @@ class Catalog:
         #: components the record's ``ranks`` map gives this rank are checked; None: all
         self.part: int | None = None
 
-    def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True) -> Scan:
+    def scan(self, attempts: AttemptView | None = None, *, with_saves: bool = True,
+             clock: Callable[[], float] = time.time) -> Scan:
+        """One listing of the run; ``clock`` dates the pieces listing (gc ages pieces by it, §9.5)."""
         return Scan.take(self.io, attempts if attempts is not None else self.attempts.load(), with_saves=with_saves,
-                         sidecars=self.auth.policy is not AuthPolicy.OFF and self.auth.keyring is not None)
+                         sidecars=self.auth.policy is not AuthPolicy.OFF and self.auth.keyring is not None,
+                         clock=clock)
 
     def _objects_of(self, scan: Scan, save_id: str) -> dict[str, ObjectInfo]:
         if scan.saves_listed:

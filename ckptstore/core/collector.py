@@ -6,16 +6,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..errors import CorruptionError, NotFoundError
+from ..errors import CorruptionError, LimitReachedError, NotFoundError
 from ..protocol import component_key, run_prefix
 from ..protocol.gcplan import plan_gc
 from ..protocol.pieces import ListedPiece, plan_sweep
+from ..protocol.records import IntentRecord
 from ..protocol.selection import SaveInfo, SaveState
 from .catalog import Catalog, Scan
-from .pieces import PieceTiming, list_intents
+from .pieces import IntentCache, PieceTiming, list_intents
 
-#: Rounds of one piece sweep (each lists the save intents again, §9.5).
-MAX_SWEEP_ROUNDS = 10_000
+#: Rounds of one piece sweep at most (each lists the save intents again, §9.5).
+MAX_SWEEP_ROUNDS = 100
+#: Rounds in a row that delete nothing before the sweep stops (and says why).
+MAX_IDLE_ROUNDS = 3
+#: How far ahead of gc's clock an intent's ``created_at`` may be (clock skew).
+INTENT_CLOCK_SKEW = 300.0
 
 
 @dataclass
@@ -49,8 +54,12 @@ class GcReport:
     pieces_young: int = 0
     #: expired save intents removed (a killed writer's)
     intents_expired: list[str] = field(default_factory=list)
-    #: set when gc swept no piece, and why (the saves were still collected)
+    #: set when gc swept no piece (or stopped before the end of the sweep), and why (the saves were still collected)
     pieces_refused: str | None = None
+    #: save-intent bytes the sweep read (each changed intent once; bounded by MAX_INTENT_BYTES a round)
+    intent_bytes_read: int = 0
+    #: rounds of the piece sweep (each lists the intents)
+    sweep_rounds: int = 0
 
 
 def collect(
@@ -64,7 +73,8 @@ def collect(
     timing: PieceTiming | None = None,
 ) -> GcReport:
     io = catalog.io
-    scan = catalog.scan()
+    timing = timing or PieceTiming()
+    scan = catalog.scan(clock=timing.clock)
     if scan.attempts.unreadable:
         # An attempt record we cannot read might fence saves we would call
         # superseded (or be a planted one that we must not act on): delete nothing.
@@ -99,7 +109,7 @@ def collect(
         bytes_read=io.bytes_read - start, ignored=scan.foreign,
     )
     if scan.pieces is not None:
-        sweep_pieces(catalog, scan, [i for i, _ in plan.delete], report, grace_seconds, timing or PieceTiming())
+        sweep_pieces(catalog, scan, [i for i, _ in plan.delete], report, grace_seconds, timing)
     return report
 
 
@@ -128,7 +138,13 @@ def sweep_pieces(
     """§9.5: mark from every kept commit and every live save intent, then
     delete the pieces of ``scan.pieces`` (listed before the commits) that
     nothing marks and that are older than the grace period, all within half
-    the window after the intents were listed; past it, stop (the next gc goes on)."""
+    the window after the intents were listed; past it, the next round lists the
+    intents again (reading only the ones that changed). Bounded: at most
+    :data:`MAX_INTENTS` intents and :data:`MAX_INTENT_BYTES` of them, at most
+    :data:`MAX_IDLE_ROUNDS` rounds in a row that delete nothing, at most
+    :data:`MAX_SWEEP_ROUNDS` in all; an intent dated implausibly (created later
+    than gc's clock plus :data:`INTENT_CLOCK_SKEW`; one expiring before it was
+    created does not decode) refuses the sweep. Every refusal or stop sets ``pieces_refused``."""
     io = catalog.io
     assert scan.pieces is not None
     marks = _commit_marks(catalog, scan, deleted)
@@ -138,46 +154,78 @@ def sweep_pieces(
     commit_marks = marks
     todo: list[ListedPiece] | None = None
     expired: list[str] = []
-    for _round in range(MAX_SWEEP_ROUNDS):
-        # one round: list the intents, then delete only within half the window after that listing
-        listed_at = time.monotonic()
-        intents, unreadable = list_intents(io)
-        if unreadable:
-            report.pieces_refused = f"save intent {unreadable[0]}; no piece is swept while an intent cannot be read"
-            return
-        now = time.time()
-        marks = dict(commit_marks)
-        expired = []
-        for key, rec in sorted(intents.items()):
-            if rec.expires_at - rec.created_at > grace_seconds:
-                report.pieces_refused = (
-                    f"save intent {key} lives {rec.expires_at - rec.created_at:.0f}s, longer than the grace period "
-                    f"({grace_seconds:.0f}s); no piece is swept (use a grace period at least as long as the intents')"
-                )
+    cache = IntentCache()
+    idle = 0
+    try:
+        for _round in range(MAX_SWEEP_ROUNDS):
+            report.sweep_rounds += 1
+            # one round: list the intents, then delete only within half the window after that listing
+            listed_at = time.monotonic()
+            try:
+                intents, unreadable = list_intents(io, cache)
+            except LimitReachedError as exc:
+                report.pieces_refused = f"{exc}; no piece is swept"
                 return
-            if now >= rec.expires_at:
-                expired.append(key)
-            else:
-                marks.update(dict.fromkeys(rec.pieces, 0))
-        plan = plan_sweep(todo if todo is not None else scan.pieces.values(), marks, now=scan.pieces_listed_at,
-                          grace_seconds=grace_seconds)
-        if todo is None:
-            report.pieces_marked, report.pieces_young = plan.marked, plan.young
-        todo = []
-        deadline = listed_at + timing.window / 2
-        for i, p in enumerate(plan.delete):
-            if not report.dry_run:
-                if time.monotonic() >= deadline:
-                    todo = plan.delete[i:]  # the next round lists the intents again first
-                    break
-                io.delete(p.key)
-            report.pieces_freed += 1
-            report.piece_bytes_freed += p.size
-        if not todo:
-            break
-    else:
-        report.pieces_refused = f"the sweep stopped after {MAX_SWEEP_ROUNDS} rounds; {len(todo or [])} piece(s) left"
+            if unreadable:
+                report.pieces_refused = f"save intent {unreadable[0]}; no piece is swept while an intent cannot be read"
+                return
+            now = timing.clock()
+            marks = dict(commit_marks)
+            expired = []
+            for key, rec in sorted(intents.items()):
+                refused = implausible_intent(key, rec, now, grace_seconds)
+                if refused is not None:
+                    report.pieces_refused = refused
+                    return
+                if now >= rec.expires_at:
+                    expired.append(key)
+                else:
+                    marks.update(dict.fromkeys(rec.pieces, 0))
+            plan = plan_sweep(todo if todo is not None else scan.pieces.values(), marks, now=scan.pieces_listed_at,
+                              grace_seconds=grace_seconds)
+            if todo is None:
+                report.pieces_marked, report.pieces_young = plan.marked, plan.young
+            todo = []
+            deadline = listed_at + timing.window / 2
+            freed = 0
+            for i, p in enumerate(plan.delete):
+                if not report.dry_run:
+                    if time.monotonic() >= deadline:
+                        todo = plan.delete[i:]  # the next round lists the intents again first
+                        break
+                    io.delete(p.key)
+                freed += 1
+                report.pieces_freed += 1
+                report.piece_bytes_freed += p.size
+            if not todo:
+                break
+            idle = idle + 1 if freed == 0 else 0
+            if idle >= MAX_IDLE_ROUNDS:
+                report.pieces_refused = (
+                    f"the sweep stopped after {MAX_IDLE_ROUNDS} rounds in a row that deleted nothing (listing and "
+                    f"reading the save intents took longer than half the {timing.window:g}s window); "
+                    f"{len(todo)} piece(s) left for the next gc (remove stray intents, or use a longer window)")
+                return
+        else:
+            report.pieces_refused = f"the sweep stopped after {MAX_SWEEP_ROUNDS} rounds; {len(todo or [])} piece(s) left"
+    finally:
+        report.intent_bytes_read += cache.bytes_read
     report.intents_expired = expired
     if not report.dry_run:
         for key in expired:
             io.delete(key)
+
+
+def implausible_intent(key: str, rec: IntentRecord, now: float, grace_seconds: float) -> str | None:
+    """Why gc must not sweep while intent ``rec`` exists (§9.5 step 4), or None:
+    it lives longer than the grace period, or was created later than gc's clock plus :data:`INTENT_CLOCK_SKEW` (a writer's
+    clock that far ahead, or a planted intent, would keep its pieces for ever)."""
+    life = rec.expires_at - rec.created_at
+    if life > grace_seconds:
+        return (f"save intent {key} lives {life:.0f}s, longer than the grace period ({grace_seconds:.0f}s); no piece "
+                "is swept (use a grace period at least as long as the intents')")
+    if rec.created_at > now + INTENT_CLOCK_SKEW:
+        return (f"save intent {key} was created {rec.created_at - now:.0f}s after gc's clock says it is now "
+                f"(more than {INTENT_CLOCK_SKEW:.0f}s ahead); no piece is swept while it exists (fix the writer's "
+                "clock, or remove the intent by hand if no live writer made it)")
+    return None

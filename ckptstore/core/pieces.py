@@ -9,9 +9,11 @@ this module does the I/O.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,7 +22,7 @@ from typing import Any
 import blake3
 
 from ..backends.base import Backend, PendingPut
-from ..errors import CkptStoreError, CorruptionError, NotFoundError, SaveAbortedError
+from ..errors import CkptStoreError, CorruptionError, LimitReachedError, NotFoundError, SaveAbortedError
 from ..protocol import CommitRecord, ComponentEntry
 from ..protocol.layout import (
     STEP_WIDTH,
@@ -32,7 +34,7 @@ from ..protocol.layout import (
     pieces_prefix,
 )
 from ..protocol.pieces import ListedPiece, cut_pieces
-from ..protocol.records import IntentRecord, PieceRef, pieces_digest
+from ..protocol.records import MAX_INTENT_RECORD, IntentRecord, PieceRef, pieces_digest
 from ..protocol.selection import SkipReason
 from .bounded_io import RunIO
 from .hashing import CHUNK, iter_chunks
@@ -44,6 +46,17 @@ UPLOAD_CONCURRENCY = 4
 SETTLE_BATCH = 32
 #: An intent older than this share of its lifetime is renewed before a save relies on it.
 RENEW_SHARE = 0.5
+#: Every known piece a writer reuses is re-hashed at least once every this many saves (§9.2 "Evidence").
+REHASH_EVERY = 8
+#: Damage reports a writer keeps (``PieceWriter.damaged``), newest last.
+DAMAGE_REPORTS = 100
+
+
+class DamagedPieceWarning(UserWarning):
+    """A known piece failed its evidence check (§9.2 "Evidence"): it changed,
+    shrank or vanished since it was learned. The save it was found by wrote
+    the piece again under its own ID and is restorable; the old copy is left
+    for gc (no commit the writer makes names it again)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,11 @@ class PieceTiming:
 
     window: float = 2.0
     intent_ttl: float = 3600.0
+    #: the wall clock (epoch seconds) intents are dated and judged by, and gc
+    #: ages pieces by; every writer and gc of a run must agree on it to well
+    #: within ``window`` (§9.5 "Assumptions"). Tests inject one to decide races
+    #: without waiting.
+    clock: Callable[[], float] = time.time
 
 
 # --------------------------------------------------------------------- intents
@@ -75,20 +93,65 @@ class Intent:
         return frozenset(self.record.pieces)
 
 
-def list_intents(io: RunIO) -> tuple[dict[str, IntentRecord], list[str]]:
-    """Every intent record of the run (key -> record) and the keys that could not be read."""
+#: Save intents one gc reads at most, and their listed bytes in all (§9.5 step 4): past
+#: either, the sweep is refused with the reason (a writer keeps one or two intents; a
+#: 1 TB model's intent names ~130,000 pieces in ~18 MiB).
+MAX_INTENTS = 4096
+MAX_INTENT_BYTES = 64 << 20
+
+
+@dataclass
+class IntentCache:
+    """The intents one gc read, by key, each with the (size, mtime) its
+    listing showed: a later round of the same sweep reads an intent again only
+    when its listing changed (§9.5 step 4)."""
+
+    items: dict[str, tuple[tuple[int, float], IntentRecord]] = field(default_factory=dict)
+    #: intent bytes read by this cache's owner in all
+    bytes_read: int = 0
+    #: intents read (not served from the cache)
+    reads: int = 0
+
+
+def list_intents(io: RunIO, cache: IntentCache | None = None, *, max_count: int = MAX_INTENTS,
+                 max_bytes: int = MAX_INTENT_BYTES) -> tuple[dict[str, IntentRecord], list[str]]:
+    """Every intent record of the run (key -> record) and the keys that could
+    not be read. With ``cache``, an intent whose listing shows the same size
+    and time as when it was read is not read again. More than ``max_count``
+    intents, or more than ``max_bytes`` listed bytes of them: :class:`LimitReachedError`
+    (nothing is read past the listing)."""
+    cache = cache if cache is not None else IntentCache()
     good: dict[str, IntentRecord] = {}
     bad: list[str] = []
-    listed = [o for o in io.list(intents_prefix(io.run_id), flat=True)]
-    keys = [o.key for o in listed if parse_intent_key(io.run_id, o.key) is not None]
-    for key, data in zip(keys, io.get_many_bounded(keys, 16 << 20), strict=True):
+    listed = [o for o in io.list(intents_prefix(io.run_id), flat=True) if parse_intent_key(io.run_id, o.key) is not None]
+    total = sum(o.size for o in listed)
+    if len(listed) > max_count or total > max_bytes:
+        raise LimitReachedError(
+            f"{intents_prefix(io.run_id)}: {len(listed)} save intent(s) of {total} bytes, more than gc reads "
+            f"({max_count} intents, {max_bytes} bytes); a writer keeps one or two: remove the ones no live "
+            "writer made (ckptstore ls shows the run's attempts)")
+    fresh = [o for o in listed if (c := cache.items.get(o.key)) is None or c[0] != (o.size, o.mtime)]
+    for o in listed:
+        c = cache.items.get(o.key)
+        if c is not None and c[0] == (o.size, o.mtime):
+            good[o.key] = c[1]
+    datas = io.get_many_bounded([o.key for o in fresh], MAX_INTENT_RECORD, [o.size for o in fresh]) if fresh else []
+    for o, data in zip(fresh, datas, strict=True):
         if data is None:
             continue  # removed since the listing: it protects nothing any more
+        cache.reads += 1
+        cache.bytes_read += len(data)
         try:
-            good[key] = IntentRecord.decode(data, io.where(key), run_id=io.run_id,
-                                            attempt=parse_intent_key(io.run_id, key))
+            rec = IntentRecord.decode(data, io.where(o.key), run_id=io.run_id,
+                                      attempt=parse_intent_key(io.run_id, o.key))
         except CorruptionError as exc:
-            bad.append(f"{key}: {str(exc)[:200]}")
+            bad.append(f"{o.key}: {str(exc)[:200]}")
+            continue
+        good[o.key] = rec
+        cache.items[o.key] = ((o.size, o.mtime), rec)
+    gone = set(cache.items) - {o.key for o in listed}
+    for key in gone:
+        del cache.items[key]
     return good, bad
 
 
@@ -118,38 +181,133 @@ class PieceWriter:
         self._saves: dict[str, SavePieces] = {}
         #: the intent write :meth:`learn` started in the background (joined before any other use of the intent)
         self._arming: threading.Thread | None = None
+        #: saves begun by this writer (the clock of the periodic re-hash)
+        self.saves_begun = 0
+        #: evidence per known piece (§9.2 "Evidence"): (holder, digest) -> (size, mtime) its listing showed
+        #: while the piece was known intact
+        self.evidence: dict[tuple[str, str], tuple[int, float]] = {}
+        #: (holder, digest) -> ``saves_begun`` when this writer last wrote or re-hashed the piece
+        self.checked: dict[tuple[str, str], int] = {}
+        #: what the evidence checks found (one line per piece, newest last, at most DAMAGE_REPORTS)
+        self.damaged: list[str] = []
+        #: pieces re-hashed by the evidence checks (tests and benchmarks count them)
+        self.rehashed = 0
 
     def active(self, save_id: str) -> SavePieces | None:
         """The pieces side of a save this writer staged and has not published."""
         with self._lock:
             return self._saves.get(save_id)
 
-    def learn(self, rec: CommitRecord | None) -> None:
+    def learn(self, rec: CommitRecord | None, verified: bool = False) -> None:
         """Take the pieces of ``rec`` (the newest commit) as the ones saves may
         skip, and start writing the intent naming them now, in the background
         (off the save that just committed), so that the next save finds it
         already old enough to rely on. :meth:`begin` and :meth:`close` wait for
-        that write first; if it failed, :meth:`begin` writes the intent itself."""
+        that write first; if it failed, :meth:`begin` writes the intent itself.
+
+        Evidence (§9.2): the pieces this process wrote for ``rec`` — or, with
+        ``verified`` (the caller hashed every piece of ``rec`` just now, e.g. a
+        deep resume), all of them — count as checked now, and their listing,
+        taken in the same background step, is their evidence; any other piece
+        is re-hashed before its first reuse."""
         known: dict[str, PieceRef] = {}
         if rec is not None:
             for c in rec.components.values():
                 for p in c.pieces or ():
                     known.setdefault(p.digest, p)
+        names = frozenset((p.holder, p.digest) for p in known.values())
         with self._lock:
             self.known = known
-            if rec is not None:
-                self._saves.pop(rec.save_id, None)
-        names = frozenset((p.holder, p.digest) for p in known.values())
+            own = self._saves.pop(rec.save_id, None) if rec is not None else None
+            # evidence is kept only for pieces still known; the pieces this process just wrote are
+            # intact as of now (hashed while written): their evidence is the listing made below
+            self.evidence = {hd: e for hd, e in self.evidence.items() if hd in names}
+            self.checked = {hd: n for hd, n in self.checked.items() if hd in names}
+            fresh = {(own.save_id, d) for d in own.written} & names if own is not None else set()
+            if verified:
+                fresh = set(names)
+            for hd in fresh:
+                self.checked[hd] = self.saves_begun
+                self.evidence.pop(hd, None)
 
         def arm() -> None:
             try:
                 self._arm(names)
             except CkptStoreError:
                 pass  # the save is published; the next save writes its intent before relying on these pieces
+            if fresh:
+                try:
+                    self._take_evidence(fresh)
+                except CkptStoreError:
+                    pass  # no evidence: the next save re-hashes these pieces before reusing them
 
         self._settle_arming()
         self._arming = threading.Thread(target=arm, name="ckptstore-intent", daemon=True)
         self._arming.start()
+
+    def _take_evidence(self, fresh: set[tuple[str, str]]) -> None:
+        """Record the listing of pieces this process just wrote as their evidence (one listing per holder)."""
+        there: dict[tuple[str, str], ListedPiece] = {}
+        for h in sorted({h for h, _ in fresh}):
+            there.update(list_pieces(self.io, h))
+        with self._lock:
+            sizes = {(p.holder, p.digest): p.size for p in self.known.values()}
+            for hd in fresh:
+                got = there.get(hd)
+                if got is not None and sizes.get(hd) == got.size:
+                    self.evidence[hd] = (got.size, got.mtime)
+
+    def _report(self, line: str) -> None:
+        with self._lock:
+            self.damaged.append(line)
+            del self.damaged[:-DAMAGE_REPORTS]
+        warnings.warn(line, DamagedPieceWarning, stacklevel=4)
+
+    def _still_intact(self, known: dict[str, PieceRef]) -> dict[str, PieceRef]:
+        """§9.2 "Evidence": the known pieces whose evidence still holds. One
+        listing per holder; a piece missing or of another size is dropped; a
+        piece with no evidence, whose (size, mtime) changed, or that is due for
+        its periodic re-hash (the ``ceil(n / REHASH_EVERY)`` longest unchecked)
+        is re-hashed and dropped unless it matches. A dropped piece is written
+        again by the save (under its own ID); what was found is reported."""
+        there = {hd: lp for h in sorted({p.holder for p in known.values()})
+                 for hd, lp in list_pieces(self.io, h).items()}
+        with self._lock:
+            checked, evidence, n = dict(self.checked), dict(self.evidence), self.saves_begun
+        order = sorted(known.values(), key=lambda p: (checked.get((p.holder, p.digest), -1), p.holder, p.digest))
+        due = {(p.holder, p.digest) for p in order[: math.ceil(len(order) / REHASH_EVERY)]}
+        out: dict[str, PieceRef] = {}
+        for d, p in known.items():
+            hd = (p.holder, p.digest)
+            got = there.get(hd)
+            where = f"piece {p.digest[:16]} of save {p.holder}"
+            if got is None:
+                continue  # swept (its intent lapsed) or removed: written again, as before
+            if got.size != p.size:
+                self._report(f"{where} has {got.size} bytes, the commit that named it says {p.size}: "
+                             "written again under this save")
+                continue
+            if hd in checked and evidence.get(hd) == (got.size, got.mtime) and hd not in due:
+                out[d] = p
+                continue
+            with self._lock:
+                self.rehashed += 1
+            try:
+                seen, digest = self.io.hash_object(piece_key(self.io.run_id, *hd), p.size)
+            except NotFoundError:
+                continue
+            if seen != p.size or digest != p.digest:
+                self._report(f"{where} no longer matches its BLAKE3 (damaged since it was written): "
+                             "written again under this save")
+                continue
+            with self._lock:
+                self.checked[hd] = n
+                self.evidence[hd] = (got.size, got.mtime)
+            out[d] = p
+        if len(out) < len(known):
+            with self._lock:  # later saves do not reuse what failed either
+                self.known = {d: p for d, p in self.known.items() if d in out or d not in known}
+        return out
 
     def _settle_arming(self) -> None:
         """Wait for the intent write :meth:`learn` started, if any."""
@@ -163,7 +321,7 @@ class PieceWriter:
         if not names:
             self.intent = None
         else:
-            t = time.time()
+            t = self.timing.clock()
             rec = IntentRecord(self.io.run_id, self.attempt, t, t + self.timing.intent_ttl, tuple(sorted(names)),
                                version=self.io.layout.version)
             key = new_intent_key(self.io.run_id, self.attempt)
@@ -184,16 +342,18 @@ class PieceWriter:
         self._settle_arming()
         with self._lock:
             known = dict(self.known)
+            self.saves_begun += 1
         left = self._left_by_step(step, save_id, {p.holder for p in known.values()})
         names = frozenset((p.holder, p.digest) for p in known.values()) | frozenset(left)
         intent = self.intent
-        stale = intent is not None and time.time() > intent.record.created_at + RENEW_SHARE * self.timing.intent_ttl
+        stale = (intent is not None
+                 and self.timing.clock() > intent.record.created_at + RENEW_SHARE * self.timing.intent_ttl)
         if names and (intent is None or not names <= intent.names or stale):
             intent = self._arm(names)
-            if known:
-                # the old intent may have lapsed and gc swept what it named: rely only on what is still there
-                there = _holder_listing(self.io, {p.holder for p in known.values()})
-                known = {d: p for d, p in known.items() if there.get((p.holder, p.digest)) == p.size}
+        if known:
+            # after the intent: an old one may have lapsed and gc swept what it named; and a piece is
+            # reused only while the evidence that it is intact holds (§9.2 "Evidence")
+            known = self._still_intact(known)
         save = SavePieces(self, save_id, known, left, intent)
         with self._lock:
             self._saves[save_id] = save
@@ -325,7 +485,7 @@ class SavePieces:
                 f"save {self.save_id} took longer than its pieces are protected ({timing.intent_ttl:.0f}s less the "
                 f"{timing.window:.0f}s window); nothing was published"
             )
-        deadline = PieceDeadline(started_at=time.time() - elapsed, intent_expires_at=None)
+        deadline = PieceDeadline(started_at=timing.clock() - elapsed, intent_expires_at=None)
         with self._lock:
             reused = set(self.relied)  # other processes' (ranks') reuse is under their own intents
         if reused:
@@ -335,7 +495,7 @@ class SavePieces:
             wait = intent.landed + timing.window - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            if time.time() > intent.record.expires_at - timing.window:
+            if timing.clock() > intent.record.expires_at - timing.window:
                 raise SaveAbortedError(f"save {self.save_id}: its save intent expired; nothing was published")
             deadline = PieceDeadline(deadline.started_at, intent.record.expires_at)
         return deadline
@@ -390,7 +550,7 @@ def check_deadlines(deadlines: Mapping[int, PieceDeadline], timing: PieceTiming,
     """§9.4 steps 1-2 at a coordinator's publish, for every rank's reported
     part: no part began more than ``intent_ttl - window`` ago, and no intent a
     part relies on expires within the window. Otherwise :class:`SaveAbortedError`."""
-    now = time.time()
+    now = timing.clock()
     for rank, d in sorted(deadlines.items()):
         if now - d.started_at > timing.intent_ttl - timing.window:
             raise SaveAbortedError(f"save {save_id}: rank {rank}'s part took longer than its pieces are protected "

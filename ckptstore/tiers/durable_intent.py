@@ -57,7 +57,7 @@ class DurableIntent:
         old = self.armed
         self.armed = None
         if names:
-            t = time.time()
+            t = self.timing.clock()
             rec = IntentRecord(self.io.run_id, self.attempt, t, t + self.timing.intent_ttl, tuple(sorted(names)),
                                version=self.io.layout.version)
             key = new_intent_key(self.io.run_id, self.attempt)
@@ -87,7 +87,7 @@ class DurableIntent:
     def _covers(self, names: set[tuple[str, str]]) -> bool:
         a = self.armed
         return (a is not None and names <= set(a.record.pieces)
-                and time.time() <= a.record.created_at + RENEW_SHARE * self.timing.intent_ttl)
+                and self.timing.clock() <= a.record.created_at + RENEW_SHARE * self.timing.intent_ttl)
 
     def _wait_window(self) -> None:
         assert self.armed is not None
@@ -130,7 +130,7 @@ class DurableIntent:
             raise SaveAbortedError(f"replication of step {rec.step} took longer than its pieces are protected; "
                                    "not committed (retried)")
         a = self.armed
-        if self.relying and (a is None or time.time() > a.record.expires_at - t.window):
+        if self.relying and (a is None or t.clock() > a.record.expires_at - t.window):
             self.forget()
             raise SaveAbortedError(f"replication of step {rec.step}: its save intent in the durable tier expired; "
                                    "not committed (retried)")

@@ -37,3 +37,34 @@ def save(store: CheckpointStore, step: int, frozen: bytes = FROZEN) -> bytes:
 
 def age_past_grace() -> None:
     time.sleep(GRACE + 0.1)
+
+
+#: an intent lifetime (and gc grace) no test step overruns: races are decided by the injected clocks below
+LONG = 3600.0
+
+
+class Clock:
+    """An injected wall clock (``PieceTiming.clock``): the real one shifted by
+    ``offset`` seconds, or ``fixed`` when set. Tests age intents and pieces by
+    moving it, never by waiting for a window a loaded machine overruns."""
+
+    def __init__(self, offset: float = 0.0, fixed: float | None = None) -> None:
+        self.offset, self.fixed = offset, fixed
+
+    def __call__(self) -> float:
+        return self.fixed if self.fixed is not None else time.time() + self.offset
+
+
+def long_timing(clock: Clock | None = None) -> PieceTiming:
+    return PieceTiming(window=TIMING.window, intent_ttl=LONG, clock=clock or Clock())
+
+
+def gc_clock_past(backend: Backend, holder: str) -> Clock:
+    """A gc clock (for a grace of LONG) at which every piece ``holder`` wrote is
+    just old enough to sweep, and every piece written a second or more later
+    is still young (object stores list times in whole seconds)."""
+    from ckptstore.protocol.layout import pieces_prefix
+
+    times = [o.mtime for o in backend.list(pieces_prefix(RUN) + f"{holder}/")]
+    assert times, f"no pieces under {holder}"
+    return Clock(fixed=max(times) + LONG + 0.5)

@@ -14,8 +14,23 @@ from ckptstore import CheckpointStore
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import Crashed, FaultyBackend
+from ckptstore.core.collector import GcReport
 from ckptstore.core.pieces import PieceTiming
-from tests.incremental.common import FROZEN, GRACE, IDENT, RUN, TIMING, age_past_grace, head, open_store, save
+from tests.incremental.common import (
+    FROZEN,
+    GRACE,
+    IDENT,
+    LONG,
+    RUN,
+    TIMING,
+    Clock,
+    age_past_grace,
+    gc_clock_past,
+    head,
+    long_timing,
+    open_store,
+    save,
+)
 
 V3 = P.layout_of(3)
 
@@ -35,19 +50,38 @@ def assert_restores(backend: Backend, step: int, model: bytes) -> None:
     assert bytes(buf) == model
 
 
+def writer_and_gc(backend: Backend) -> tuple[CheckpointStore, Callable[[], GcReport]]:
+    """A writer with a long intent lifetime that has made save 1, and a gc
+    (grace LONG) whose clock says save 1's pieces are just old enough to sweep
+    while the next save's own pieces are young. The writer's clock is moved
+    past half its intent's life, so save 2 renews its intent when it begins:
+    the race is decided by these clocks and the order of the calls, not by how
+    fast a loaded machine runs (nothing here expires while the test runs)."""
+    wclock = Clock()
+    writer = CheckpointStore.open(backend, RUN, identity=IDENT, protocol_version=3, piece_timing=long_timing(wclock))
+    save(writer, 1)
+    ref = writer.latest_complete()
+    assert ref is not None
+    time.sleep(1.1)  # a lower bound only: save 2's pieces are listed at least a second after save 1's
+    wclock.offset = LONG / 2 + 1
+    gclock = gc_clock_past(backend, ref.save_id)
+    gc: Callable[[], GcReport] = lambda: CheckpointStore.open(  # noqa: E731
+        backend, RUN, piece_timing=long_timing(gclock)).gc(keep_last=1, grace_seconds=LONG)
+    return writer, gc
+
+
 def test_gc_while_a_save_reusing_pieces_uploads(backend: Backend) -> None:
-    writer = open_store(backend)
-    save(writer, 1)  # A
-    age_past_grace()  # A's pieces are old enough to sweep, were nothing to mark them
+    writer, gc = writer_and_gc(backend)
     with writer.save(2) as w:  # B reuses A's pieces
         w.put("model", [memoryview(FROZEN), memoryview(head(2))])
         delete_commit(backend, 1)  # A goes ...
-        report = CheckpointStore.open(backend, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
-        assert report.pieces_refused is None and report.pieces_marked > 0  # ... but B's intent marks what B relies on
+        report = gc()
+        # ... but B's intent marks what B relies on (every piece of A, old by gc's clock, is kept)
+        assert report.pieces_refused is None and report.pieces_marked >= 4 and report.pieces_freed == 0
         w.put("state.json", b'{"step": 2}')
     assert_restores(backend, 2, FROZEN + head(2))
-    again = CheckpointStore.open(backend, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
-    assert again.pieces_refused is None and again.pieces_freed > 0  # what only A named goes, nothing B names
+    again = gc()  # the writer's intent now names B's pieces: what only A named is old by gc's clock and goes
+    assert again.pieces_refused is None and again.pieces_freed == 2
     assert_restores(backend, 2, FROZEN + head(2))
 
 
@@ -115,20 +149,22 @@ def test_gc_crashing_at_every_operation(backend: Backend) -> None:
 
 @pytest.mark.parametrize("where", ["after-first-put", "before-publish"])
 def test_gc_at_each_point_of_a_save(backend: Backend, where: str) -> None:
-    writer = open_store(backend)
-    save(writer, 1)
-    age_past_grace()
-    gc: Callable[[], object] = lambda: CheckpointStore.open(backend, RUN, piece_timing=TIMING).gc(  # noqa: E731
-        keep_last=1, grace_seconds=GRACE)
+    writer, gc = writer_and_gc(backend)
+    reports: list[GcReport] = []
     with writer.save(2) as w:
         if where == "after-first-put":
             w.put("model", [memoryview(FROZEN), memoryview(head(2))])
             delete_commit(backend, 1)
-            gc()
+            reports.append(gc())
             w.put("state.json", b'{"step": 2}')
         else:
             w.put("state.json", b'{"step": 2}')
             w.put("model", [memoryview(FROZEN), memoryview(head(2))])
             delete_commit(backend, 1)
-            gc()
+            reports.append(gc())
+    # the writer's intent kept every old piece of save 1 while save 2 was in flight
+    assert reports[0].pieces_refused is None and reports[0].pieces_freed == 0 and reports[0].pieces_marked >= 4
+    assert_restores(backend, 2, FROZEN + head(2))
+    after = gc()  # and the clocks do make them sweepable: what only save 1 named goes now
+    assert after.pieces_refused is None and after.pieces_freed == 2
     assert_restores(backend, 2, FROZEN + head(2))

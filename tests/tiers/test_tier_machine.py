@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from hypothesis import settings
@@ -22,9 +23,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ckptstore import CheckpointStore
 from ckptstore.backends.faults import FaultyBackend, transient
 from ckptstore.backends.local import LocalBackend
+from ckptstore.core.pieces import MAX_INTENT_BYTES
 from ckptstore.errors import LocalTierRefusedError
 from ckptstore.protocol import AttemptRecord, attempt_key, component_key
+from ckptstore.protocol.layout import intents_prefix
 from ckptstore.protocol.pieces import PACK_BYTES
+from ckptstore.protocol.records import IntentRecord
 from ckptstore.retry import RetryPolicy
 from tests.incremental.common import GRACE, TIMING
 
@@ -192,6 +196,26 @@ class TwoTiersWithPieces(TwoTiers):
         for sid, _ in report.deleted_saves:
             self.acked.pop(sid, None)
 
+    @rule(shape=st.sampled_from(["future", "junk", "huge"]))
+    def gc_durable_with_a_planted_intent(self, shape: str) -> None:
+        """A planted save intent (dated 50 years ahead, not JSON, or more bytes than gc reads) refuses
+        the durable sweep with its reason; the operator removes it again."""
+        durable = LocalBackend(self.dir / "durable")
+        key = intents_prefix("run") + "00000001-0000000000ff.json"
+        now = time.time()
+        data = {"future": IntentRecord("run", 1, now + 50 * 365 * 86400, now + 50 * 365 * 86400 + 1,
+                                       (("000000000000-00000001-0123456789ab", "0" * 64),), version=3).encode(),
+                "junk": b"not an intent", "huge": b"x" * (MAX_INTENT_BYTES + 1)}[shape]
+        durable.put(key, [data])
+        try:
+            report = CheckpointStore.open(durable, "run", piece_timing=TIMING).gc(
+                keep_last=1, grace_seconds=GRACE, deep=False)
+            assert report.pieces_refused is not None and report.pieces_freed == 0, report
+            for sid, _ in report.deleted_saves:
+                self.acked.pop(sid, None)
+        finally:
+            durable.delete(key)
+
     def expected(self, step: int, attempt: int) -> bytes:
         return FROZEN + payload(step, attempt)
 
@@ -319,3 +343,30 @@ def _tree(top: Path) -> dict[str, bytes | str]:
 def test_two_tier_state_machine_with_planted_links() -> None:
     run_state_machine_as_test(TwoTiersPlanted, settings=settings(max_examples=8, stateful_step_count=12,
                                                                  deadline=None))
+
+def test_a_truncated_local_piece_is_written_again_and_saving_goes_on() -> None:
+    """Issue 34's seed of the pieces machine, kept as a fixed example: a local
+    piece the next save would reuse is truncated; that save and the next are
+    acknowledged (the piece is written again under the new save, reported),
+    and a restarted writer resumes bit for bit."""
+    m = TwoTiersWithPieces()
+    try:
+        m.save()
+        m.flush()
+        shared = sorted((m.local / "run" / "pieces").glob("*/*"), key=lambda f: f.stat().st_size)[-1]
+        damage(shared, "truncate")  # the FROZEN piece every save reuses
+        m.save()
+        assert any("written again" in line for line in m.store.damaged_pieces)
+        m.save()
+        m.flush()
+        m.selection_reads_back_verified()
+        m.nothing_acknowledged_durable_is_lost()
+        m.acknowledged_durable_saves_verify()
+        m.restart()
+        ref = m.store.resumed_from
+        assert ref is not None and ref.step == 2
+        assert m.store.read(ref, "a") == m.expected(2, ref.attempt)
+        m.save()
+        m.selection_reads_back_verified()
+    finally:
+        m.teardown()

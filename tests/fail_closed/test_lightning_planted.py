@@ -126,26 +126,29 @@ def test_removal_keeps_every_file_the_plugin_did_not_write(
         str(ckpts / ".." / "victim" / "file"): "path contains '..'",
         "../victim/file": "path contains '..'",
         str(ckpts / "link.ckpt"): "symbolic link",
-        str(ckpts / "dirlink" / "best.ckpt"): "cannot be opened without following a link",
+        str(ckpts / "dirlink" / "best.ckpt"): "'dirlink' is a symbolic link .*below the checkpoint directory",
         str(ckpts / "model.ckpt"): "not a ckptstore pointer file",
         str(ckpts / "fifo.ckpt"): "not a regular file",
         str(ckpts / "big.ckpt"): "more than the",
         str(ckpts / "theirs.ckpt"): "a pointer to run 'run' at .*other, not to this plug-in's run",
-        str(victim): "not a ckptstore pointer file",
+        str(victim): "below none of the directories this plug-in saved checkpoints into",
     }
     if backend_kind != "local":  # any object the job's credentials reach
         url, opts = store_at
         victim_url = f"{url}-victim/file"
         fs = io_fs(victim_url, opts)
         fs.pipe_file(victim_url, b"precious object")
-        cases[victim_url] = "not a ckptstore pointer file"
+        cases[victim_url] = "below none of the directories"
         cases[f"{url}/../victim/file"] = "path contains '..'"
+    allowing = plugin(store_at, allow_other_stores=True)
+    allowing.save_checkpoint({"w": torch.ones(1)}, ckpts / "handoff.ckpt")  # ckpts is its checkpoint directory too
+    allowing.remove_checkpoint(ckpts / "handoff.ckpt")
     before = snapshot(tmp_path)
     for path, cause in cases.items():
         with pytest.warns(RemovalRefusedWarning, match=f"{path[:20]}.*not removed: .*{cause}"):
             io.remove_checkpoint(path)
     with pytest.warns(RemovalRefusedWarning, match="not to this plug-in's run"):
-        plugin(store_at, allow_other_stores=True).remove_checkpoint(ckpts / "theirs.ckpt")  # reads, never removes
+        allowing.remove_checkpoint(ckpts / "theirs.ckpt")  # reads, never removes
     assert snapshot(tmp_path) == before
     if backend_kind != "local":
         fs.invalidate_cache()

@@ -107,6 +107,7 @@ from .files import (
     FORMAT,
     POINTER_FORMAT,
     Published,
+    check_writable,
     detached_bytes,
     encode_checkpoint,
     inline_state,
@@ -342,6 +343,7 @@ class StoreCheckpointIO(CheckpointIO):
 
     def _save_pointed(self, checkpoint: dict[str, Any], step: int, path: PATH) -> None:
         parts = encode_checkpoint(checkpoint, self.registry)  # refuses unrepresentable objects before any write
+        check_writable(path, self._dirs)  # and a pointer path through a link, before the commit
         store = self.store
         keys = list(parts)
         with self._lock:

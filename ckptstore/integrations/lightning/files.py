@@ -234,6 +234,15 @@ def write_atomic(path: PATH, data: bytes, options: Mapping[str, Any] | None = No
         dirs.note(p)
 
 
+def check_writable(path: PATH, dirs: CheckpointDirs | None) -> None:
+    """Refuse now (:class:`InvalidInputError`), before anything is committed, a local ``path``
+    that :func:`write_atomic` would refuse for a link below one of ``dirs`` (its missing
+    directories are made, as the write would make them)."""
+    p = os.fspath(path)
+    if not is_remote(p):
+        os.close(open_parent(p, dirs, InvalidInputError, create=True)[0])
+
+
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 

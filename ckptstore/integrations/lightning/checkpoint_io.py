@@ -40,10 +40,14 @@ the plug-in's unless ``allow_other_stores=True``, checks that the save it
 names still has the same manifest digest (and, under ``auth_policy`` warn or
 require, that its commit record is authenticated and inline state carries the
 run key's tag), and reads every component verified against its BLAKE3 digest.
+Below the directories it saves into (its *checkpoint directories*,
+:mod:`.paths`) no path it reads, writes or removes goes through a link: every
+component is opened no-follow from the directory's descriptor.
 ``remove_checkpoint`` removes only the pointer (the bytes are the store's and
 go through its gc), and only a file it proves it wrote: a pointer to its own
-run or a detached file it wrote, never through a link or a path with ``..``
-(anything else is kept, with a :class:`RemovalRefusedWarning`).
+run inside one of its checkpoint directories, or a detached file it wrote,
+never through a link or a path with ``..`` (anything else is kept, with a
+:class:`RemovalRefusedWarning`).
 ``protocol_spec/THREATS.md`` §4.5 has the rules and their tests.
 
 Pointer file (JSON, one object)::
@@ -178,9 +182,11 @@ class StoreCheckpointIO(CheckpointIO):
     must be authenticated and inline state must carry the run key's tag. A
     detached file (a dict without ``global_step``) is loaded only if this
     plug-in or one of its spawned copies wrote it. ``remove_checkpoint``
-    removes only such files (a pointer to this plug-in's run, or a detached
-    file it wrote), never through a link or a ``..``; anything else is kept
-    with a :class:`RemovalRefusedWarning`.
+    removes only such files (a pointer to this plug-in's run inside a directory
+    it saved into, or a detached file it wrote), never through a link or a
+    ``..``; anything else is kept with a :class:`RemovalRefusedWarning`. Below
+    the directories it saved into, a path through a link is refused for
+    reading and saving too (``protocol_spec/THREATS.md`` §4.5).
 
     ``auth_policy``/``keyring``: as for :meth:`CheckpointStore.open`, for the
     stores it opens (with an open ``store``, that store's are used).

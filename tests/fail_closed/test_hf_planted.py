@@ -280,9 +280,21 @@ def test_a_planted_sparse_file_is_refused_before_a_byte_is_uploaded(
     into the store: the sizes the listing saw are summed and checked against the cap before anything is
     read or a save is opened, so the refusal is immediate by construction (reading 1 TiB would not end
     within the test's lifetime); it names the file, its size, the cap and the option. Nothing is written
-    to the store and checkpoint-2 still restores; the option raises the cap, and a cap below a normal
-    checkpoint refuses it the same way."""
-    url, opts, v, out, want, cb = published_step_2(backend_kind, tmp_path, request)
+    to the store and the last published checkpoint still restores. First, the cap is the option's: one
+    byte below a normal checkpoint refuses it the same way, the exact size publishes it."""
+    url, opts, v, out, _, cb = published_step_2(backend_kind, tmp_path, request)
+    want = write_checkpoint(out, 3)
+    total = sum(len(b) for b in want.values())
+    reader = CheckpointStore.open(url, RUN, mode="r", storage_options=opts or None)
+    with pytest.raises(InvalidInputError, match=f"{total} bytes to publish, more than the cap of {total - 1} bytes"):
+        save(StoreCallback(cb.store, max_bytes=total - 1), out, 3)
+    assert [i.step for i in reader.list_saves() if i.state.value == "committed"] == [2]
+    exact = StoreCallback(cb.store, max_bytes=total)
+    save(exact, out, 3)
+    assert [r.step for r in exact.published] == [3]
+    with pytest.raises(InvalidInputError, match="a positive number of bytes"):
+        StoreCallback(cb.store, max_bytes=0)
+
     write_checkpoint(out, 4)
     huge = out / "checkpoint-4" / "sub" / "planted.bin"
     huge.touch()
@@ -290,7 +302,6 @@ def test_a_planted_sparse_file_is_refused_before_a_byte_is_uploaded(
     assert huge.stat().st_size == 1 << 40
     objects = stored_objects(url, opts)
     before = snapshot(v)
-
     with pytest.raises(InvalidInputError) as e:
         save(cb, out, 4)
     msg = str(e.value)
@@ -301,25 +312,12 @@ def test_a_planted_sparse_file_is_refused_before_a_byte_is_uploaded(
         publish_checkpoint_dir(cb.store, out / "checkpoint-4", 4)
     assert [r.step for r in cb.published] == [2]
     assert stored_objects(url, opts) == objects  # not one object written, not even a staged one
-    reader = CheckpointStore.open(url, RUN, mode="r", storage_options=opts or None)
     latest = reader.latest_complete(deep=True)
-    assert latest is not None and latest.step == 2
-    (out / "checkpoint-2" / "optimizer.pt").write_bytes(b"damaged")  # so the restore writes the directory
-    assert restore_latest(url, out, run_id=RUN, storage_options=opts or None) == str(out / "checkpoint-2")
-    assert read_checkpoint(out / "checkpoint-2") == want
+    assert latest is not None and latest.step == 3
+    (out / "checkpoint-3" / "optimizer.pt").write_bytes(b"damaged")  # so the restore writes the directory
+    assert restore_latest(url, out, run_id=RUN, storage_options=opts or None) == str(out / "checkpoint-3")
+    assert read_checkpoint(out / "checkpoint-3") == want
     assert snapshot(v) == before
-
-    # the cap is the option's: one byte below a normal checkpoint refuses it, the exact size publishes it
-    files = write_checkpoint(out, 6)
-    total = sum(len(b) for b in files.values())
-    with pytest.raises(InvalidInputError, match=f"{total} bytes to publish, more than the cap of {total - 1} bytes"):
-        save(StoreCallback(cb.store, max_bytes=total - 1), out, 6)
-    assert [i.step for i in reader.list_saves() if i.state.value == "committed"] == [2]
-    bigger = StoreCallback(cb.store, max_bytes=total)
-    save(bigger, out, 6)
-    assert [r.step for r in bigger.published] == [6]
-    with pytest.raises(InvalidInputError, match="a positive number of bytes"):
-        StoreCallback(cb.store, max_bytes=0)
 
 
 def test_two_ranks_coordinate_over_the_process_group_never_through_a_file(

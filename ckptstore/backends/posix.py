@@ -95,6 +95,23 @@ class PosixOps:
             raise
         return fd
 
+    def open_directory(self, path: str) -> int:
+        """A descriptor of the real directory at ``path``: the root itself (opened
+        as given), or a directory below it reached component by component with
+        ``O_NOFOLLOW | O_DIRECTORY`` from the root's descriptor. A link (or a
+        non-directory) anywhere below the root is :class:`NotFollowedError`, a
+        missing component ``FileNotFoundError``, a path outside the root
+        :class:`NotFollowedError` too. The caller closes the descriptor. (For
+        other users of the no-follow rule, e.g. the Lightning plug-in's
+        checkpoint directories.)"""
+        anchor = self.root_anchor
+        if anchor is None:
+            raise NotFollowedError(errno.EINVAL, "no root attached", path)
+        parts = [] if os.path.abspath(path) == anchor else self._below(path)
+        if parts is None:
+            raise NotFollowedError(errno.EXDEV, "not below the root", path)
+        return self._open_dir(parts, path)
+
     @contextmanager
     def _parent(self, path: str) -> Iterator[tuple[int, str]]:
         """(descriptor of the parent directory, final name) for a path below the root."""

@@ -22,6 +22,8 @@ leaves a directory that the next start trusts. With ckptstore:
 
 Nothing is followed: publishing refuses a ``checkpoint-N`` that is, or holds,
 a symbolic link or a special file (an error naming it; nothing is published),
+or that holds more than ``max_bytes`` (default 256 GiB: a planted sparse file
+is refused before a byte is read),
 restoring writes only into a directory it created, and only
 ``checkpoint-<int>`` in its one canonical spelling counts as a checkpoint
 directory (:mod:`ckptstore.integrations.hf_files`). Ranks learn the restored
@@ -68,12 +70,16 @@ from .hf_files import CheckpointTree, checkpoint_step, write_tree
 
 FORMAT = "ckptstore.hf/1"
 FILES = "files/"
+#: the most bytes one published ``checkpoint-N`` may hold (the sum of its files' sizes as listed) unless
+#: ``max_bytes`` raises it: a model of about 16 billion parameters with Adam's fp32 states. A planted (sparse)
+#: file of a terabyte is refused before a byte is read, instead of being streamed into the store.
+DEFAULT_MAX_PUBLISH_BYTES = 256 << 30
 #: the largest message rank 0 sends the other ranks (a path or an error message)
 MAX_SHARED_BYTES = 1 << 16
 #: what the Trainer itself takes for a checkpoint directory (transformers.trainer_utils): any Unicode digits
 _TRAINER_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 
-__all__ = ["FORMAT", "StoreCallback", "publish_checkpoint_dir", "restore_latest", "restore_step"]
+__all__ = ["DEFAULT_MAX_PUBLISH_BYTES", "FORMAT", "StoreCallback", "publish_checkpoint_dir", "restore_latest", "restore_step"]
 
 
 def _dist() -> Any | None:
@@ -165,12 +171,33 @@ def _matches(ref: SaveRef, directory: Path) -> bool:
         return False
 
 
-def publish_checkpoint_dir(store: CheckpointStore, directory: str | os.PathLike[str], step: int) -> SaveRef:
+def _check_size(d: Path, files: list[tuple[str, int]], max_bytes: int) -> None:
+    total = sum(size for _, size in files)
+    if total <= max_bytes:
+        return
+    rel, size = max(files, key=lambda f: f[1])
+    raise InvalidInputError(
+        f"{d}: {total} bytes to publish, more than the cap of {max_bytes} bytes (max_bytes; default "
+        f"{DEFAULT_MAX_PUBLISH_BYTES}); its largest file {d / rel} has {size} bytes. Nothing was published: "
+        "remove that file if it does not belong to the checkpoint, or, if the checkpoint is really this "
+        "large, raise the cap (StoreCallback(store, max_bytes=N), publish_checkpoint_dir(..., max_bytes=N))"
+    )
+
+
+def publish_checkpoint_dir(
+    store: CheckpointStore, directory: str | os.PathLike[str], step: int, *,
+    max_bytes: int = DEFAULT_MAX_PUBLISH_BYTES,
+) -> SaveRef:
     """Publish every file under ``directory`` (named ``checkpoint-<step>``) as one save of ``step``.
 
     Refused with :class:`~ckptstore.InvalidInputError` (nothing published) when
     the directory has another name, is a symbolic link, or holds a link or a
-    special file anywhere (the error names it). If this attempt already
+    special file anywhere (the error names it), or when its files (the sizes
+    the listing saw) sum to more than ``max_bytes`` (the error names the
+    largest file, its size, the cap and the option) -- refused before any byte
+    is read or uploaded; each file is then read to its listed size and no
+    further (one that changed meanwhile is an error, and the save is not
+    committed). If this attempt already
     published ``step`` with the same bytes, that save is returned; with other
     bytes, :class:`~ckptstore.CommitConflictError`.
     """
@@ -188,6 +215,7 @@ def publish_checkpoint_dir(store: CheckpointStore, directory: str | os.PathLike[
             files = _tree_files(tree)
             if not files:
                 raise InvalidInputError(f"{d}: no checkpoint files to publish")
+            _check_size(d, files, max_bytes)
             metadata = {"format": FORMAT, "checkpoint": d.name, "global_step": step}
             with store.save(step, metadata=metadata, expect=[FILES + r for r, _ in files]) as s:
                 for rel, size in files:
@@ -214,13 +242,21 @@ class StoreCallback(TrainerCallback):
     save: pass a function in multi-process runs so that only that process
     registers an attempt).
 
+    ``max_bytes``: the most bytes one ``checkpoint-N`` may hold (default
+    :data:`DEFAULT_MAX_PUBLISH_BYTES`, 256 GiB); a larger one is refused before
+    anything is uploaded (:func:`publish_checkpoint_dir`).
+
     Multi-process: every rank waits for the others, rank 0 publishes, and the
     outcome reaches every rank over the process group; a failed publication
     raises :class:`~ckptstore.SaveNotPublishedError` on the other ranks (and
     its own error on rank 0).
     """
 
-    def __init__(self, store: CheckpointStore | Callable[[], CheckpointStore]) -> None:
+    def __init__(self, store: CheckpointStore | Callable[[], CheckpointStore], *,
+                 max_bytes: int = DEFAULT_MAX_PUBLISH_BYTES) -> None:
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
+            raise InvalidInputError(f"StoreCallback(max_bytes={max_bytes!r}): a positive number of bytes")
+        self.max_bytes = max_bytes
         self._store = store if isinstance(store, CheckpointStore) else None
         self._open = None if isinstance(store, CheckpointStore) else store
         #: The saves published by this callback, oldest first.
@@ -235,7 +271,7 @@ class StoreCallback(TrainerCallback):
 
     def _publish(self, args: TrainingArguments, step: int) -> str:
         directory = Path(str(args.output_dir)) / f"checkpoint-{step}"
-        ref = publish_checkpoint_dir(self.store, directory, step)
+        ref = publish_checkpoint_dir(self.store, directory, step, max_bytes=self.max_bytes)
         self.published.append(ref)
         return ref.save_id
 

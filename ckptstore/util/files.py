@@ -5,7 +5,8 @@ new one, never a part).
 
 These follow links as the operating system does; the local backend's
 no-follow primitives (:mod:`ckptstore.backends.posix`, relative to directory
-descriptors) and the Hugging Face tree writer (:mod:`ckptstore.integrations.hf_files`)
+descriptors), the Hugging Face tree writer (:mod:`ckptstore.integrations.hf_files`)
+and the Lightning pointer writer (:mod:`ckptstore.integrations.lightning.files`)
 keep their own, since they must not resolve a path by name at all.
 """
 

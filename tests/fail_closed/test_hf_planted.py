@@ -29,7 +29,12 @@ from transformers.trainer_utils import get_last_checkpoint
 from ckptstore import CheckpointStore
 from ckptstore import protocol as P
 from ckptstore.errors import InvalidInputError
-from ckptstore.integrations.hf import StoreCallback, publish_checkpoint_dir, restore_latest
+from ckptstore.integrations.hf import (
+    DEFAULT_MAX_PUBLISH_BYTES,
+    StoreCallback,
+    publish_checkpoint_dir,
+    restore_latest,
+)
 from tests.helpers import IDENT
 from tests.workers.dist_launch import run_job
 
@@ -265,6 +270,53 @@ def test_only_the_canonical_spelling_is_a_checkpoint_directory(
     for name in ("checkpoint-01", "checkpoint-x", "checkpoint-"):
         assert read_checkpoint(out / name) == kept[name]
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")  # type: ignore[no-untyped-call]
+    assert snapshot(v) == before
+
+
+def test_a_planted_sparse_file_is_refused_before_a_byte_is_uploaded(
+    backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Issue 30 class 9: a 1 TiB sparse file (no disk used) planted in ``checkpoint-4`` is not streamed
+    into the store: the sizes the listing saw are summed and checked against the cap before anything is
+    read or a save is opened, so the refusal is immediate by construction (reading 1 TiB would not end
+    within the test's lifetime); it names the file, its size, the cap and the option. Nothing is written
+    to the store and the last published checkpoint still restores. First, the cap is the option's: one
+    byte below a normal checkpoint refuses it the same way, the exact size publishes it."""
+    url, opts, v, out, _, cb = published_step_2(backend_kind, tmp_path, request)
+    want = write_checkpoint(out, 3)
+    total = sum(len(b) for b in want.values())
+    reader = CheckpointStore.open(url, RUN, mode="r", storage_options=opts or None)
+    with pytest.raises(InvalidInputError, match=f"{total} bytes to publish, more than the cap of {total - 1} bytes"):
+        save(StoreCallback(cb.store, max_bytes=total - 1), out, 3)
+    assert [i.step for i in reader.list_saves() if i.state.value == "committed"] == [2]
+    exact = StoreCallback(cb.store, max_bytes=total)
+    save(exact, out, 3)
+    assert [r.step for r in exact.published] == [3]
+    with pytest.raises(InvalidInputError, match="a positive number of bytes"):
+        StoreCallback(cb.store, max_bytes=0)
+
+    write_checkpoint(out, 4)
+    huge = out / "checkpoint-4" / "sub" / "planted.bin"
+    huge.touch()
+    os.truncate(huge, 1 << 40)
+    assert huge.stat().st_size == 1 << 40
+    objects = stored_objects(url, opts)
+    before = snapshot(v)
+    with pytest.raises(InvalidInputError) as e:
+        save(cb, out, 4)
+    msg = str(e.value)
+    assert f"its largest file {huge} has {1 << 40} bytes" in msg
+    assert f"more than the cap of {DEFAULT_MAX_PUBLISH_BYTES} bytes" in msg and "max_bytes=N" in msg
+    assert "Nothing was published" in msg
+    with pytest.raises(InvalidInputError, match="more than the cap"):
+        publish_checkpoint_dir(cb.store, out / "checkpoint-4", 4)
+    assert [r.step for r in cb.published] == [2]
+    assert stored_objects(url, opts) == objects  # not one object written, not even a staged one
+    latest = reader.latest_complete(deep=True)
+    assert latest is not None and latest.step == 3
+    (out / "checkpoint-3" / "optimizer.pt").write_bytes(b"damaged")  # so the restore writes the directory
+    assert restore_latest(url, out, run_id=RUN, storage_options=opts or None) == str(out / "checkpoint-3")
+    assert read_checkpoint(out / "checkpoint-3") == want
     assert snapshot(v) == before
 
 

@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ckptstore import CorruptionError, RunIdentity
 from ckptstore.core.record_auth import UnauthenticatedWarning
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import CkptStoreError, InvalidInputError
 from ckptstore.integrations.lightning import (
     RemovalRefusedWarning,
     StoreCheckpointIO,
@@ -126,26 +126,29 @@ def test_removal_keeps_every_file_the_plugin_did_not_write(
         str(ckpts / ".." / "victim" / "file"): "path contains '..'",
         "../victim/file": "path contains '..'",
         str(ckpts / "link.ckpt"): "symbolic link",
-        str(ckpts / "dirlink" / "best.ckpt"): "cannot be opened without following a link",
+        str(ckpts / "dirlink" / "best.ckpt"): "'dirlink' is a symbolic link .*below the checkpoint directory",
         str(ckpts / "model.ckpt"): "not a ckptstore pointer file",
         str(ckpts / "fifo.ckpt"): "not a regular file",
         str(ckpts / "big.ckpt"): "more than the",
         str(ckpts / "theirs.ckpt"): "a pointer to run 'run' at .*other, not to this plug-in's run",
-        str(victim): "not a ckptstore pointer file",
+        str(victim): "below none of the directories this plug-in saved checkpoints into",
     }
     if backend_kind != "local":  # any object the job's credentials reach
         url, opts = store_at
         victim_url = f"{url}-victim/file"
         fs = io_fs(victim_url, opts)
         fs.pipe_file(victim_url, b"precious object")
-        cases[victim_url] = "not a ckptstore pointer file"
+        cases[victim_url] = "below none of the directories"
         cases[f"{url}/../victim/file"] = "path contains '..'"
+    allowing = plugin(store_at, allow_other_stores=True)
+    allowing.save_checkpoint({"w": torch.ones(1)}, ckpts / "handoff.ckpt")  # ckpts is its checkpoint directory too
+    allowing.remove_checkpoint(ckpts / "handoff.ckpt")
     before = snapshot(tmp_path)
     for path, cause in cases.items():
         with pytest.warns(RemovalRefusedWarning, match=f"{path[:20]}.*not removed: .*{cause}"):
             io.remove_checkpoint(path)
     with pytest.warns(RemovalRefusedWarning, match="not to this plug-in's run"):
-        plugin(store_at, allow_other_stores=True).remove_checkpoint(ckpts / "theirs.ckpt")  # reads, never removes
+        allowing.remove_checkpoint(ckpts / "theirs.ckpt")  # reads, never removes
     assert snapshot(tmp_path) == before
     if backend_kind != "local":
         fs.invalidate_cache()
@@ -218,6 +221,95 @@ def test_forged_callback_state_never_makes_a_resumed_run_delete_a_file(
     got = io2.load_checkpoint(tmp_path / "kept" / "last.ckpt")
     assert got["global_step"] == 2 and all(torch.equal(got["state_dict"][k], v) for k, v in saved.items())
     assert 4 in {read_pointer(p)["step"] for p in ckpts.glob("*.ckpt")}  # (last-v1.ckpt: the forged last_model_path)
+
+
+def test_a_linked_directory_in_a_removal_path_is_never_followed(
+    tmp_path: Path, store_at: tuple[str, dict[str, Any]], backend_kind: str
+) -> None:
+    """Issue 30 class 9, through a real ``Trainer`` resume: last.ckpt's forged ModelCheckpoint state names
+    ``ckpts/linked/sub/best.ckpt`` as the previous best and last files, ``linked`` a link to a directory
+    outside that holds a copy of one of the run's own pointers (lexically below ``dirpath``, so Lightning
+    asks for its removal). Below its checkpoint directory the plug-in opens every component without
+    following a link: the copy outside stays, and reading or saving through the link is refused too."""
+    ckpts = tmp_path / "ckpts"
+
+    def trainer(max_epochs: int) -> tuple[Trainer, StoreCheckpointIO]:
+        io = plugin(store_at)
+        cb = ModelCheckpoint(dirpath=ckpts, save_last=True)
+        return Trainer(default_root_dir=tmp_path, plugins=[io], callbacks=[cb], limit_train_batches=2,
+                       limit_val_batches=1, max_epochs=max_epochs, enable_progress_bar=False,
+                       enable_model_summary=False, logger=False, num_sanity_val_steps=0), io
+
+    t1, io1 = trainer(1)
+    model = LoggingModel()
+    t1.fit(model)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    last = ckpts / "last.ckpt"
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "sub").mkdir(parents=True)
+    copy = elsewhere / "sub" / "best.ckpt"
+    copy.write_bytes(last.read_bytes())  # a pointer of the run's own, outside the checkpoint directory
+    (ckpts / "linked").symlink_to(elsewhere, target_is_directory=True)
+    planted = str(ckpts / "linked" / "sub" / "best.ckpt")
+    state = io1.load_checkpoint(last)["callbacks"]
+    key = next(k for k in state if k.startswith("ModelCheckpoint"))
+    state[key].update(best_model_path=planted, last_model_path=planted, kth_best_model_path=planted,
+                      best_k_models={planted: torch.tensor(0.0)})
+    doc = json.loads(last.read_text())
+    forge(last, inline={**doc["inline"], "callbacks": inline_entry(state)})
+    before = snapshot(elsewhere)
+
+    t2, io2 = trainer(2)
+    with pytest.warns(RemovalRefusedWarning, match="not removed") as seen:
+        t2.fit(LoggingModel(), ckpt_path=str(last))
+    refused = [str(w.message) for w in seen if w.category is RemovalRefusedWarning]
+    assert refused and all(m.startswith(f"{planted}: not removed: 'linked' is a symbolic link") for m in refused)
+    assert all(f"below the checkpoint directory {ckpts}" in m and "replace the link" in m for m in refused)
+    assert snapshot(elsewhere) == before
+
+    # reading and saving through the link: refused, naming the path and the fix; nothing is committed
+    with pytest.raises(CorruptionError, match=f"{planted}: 'linked' is a symbolic link.*replace the link"):
+        io2.load_checkpoint(planted)
+    steps = {s.step for s in io2.store.list_saves()}
+    with pytest.raises(InvalidInputError, match="evil.ckpt: 'linked' is a symbolic link.*replace the link"):
+        io2.save_checkpoint({"global_step": 99, "state_dict": dict(EVIL)}, ckpts / "linked" / "sub" / "evil.ckpt")
+    assert {s.step for s in io2.store.list_saves()} == steps and 99 not in steps
+    assert snapshot(elsewhere) == before
+    # the saves are intact: the copy (read where the operator names it) loads step 2 bit for bit
+    got = io2.load_checkpoint(copy)
+    assert got["global_step"] == 2 and all(torch.equal(got["state_dict"][k], v) for k, v in saved.items())
+    assert 4 in {read_pointer(p)["step"] for p in ckpts.glob("*.ckpt")}
+
+
+def test_a_pointer_outside_its_checkpoint_directories_is_never_removed(
+    tmp_path: Path, store_at: tuple[str, dict[str, Any]], backend_kind: str
+) -> None:
+    """A pointer names its run, not where it was written: a copy of one of the run's own pointers
+    outside the directories the plug-in saved into (another local directory, or another prefix of the
+    bucket when the pointer files are on the object store too) is kept; a plug-in that saved nothing
+    yet removes no pointer; its own pointer in its directory goes."""
+    url, opts = store_at
+    base = str(tmp_path) if backend_kind == "local" else url
+    ck, elsewhere = f"{base}-ck", f"{base}-elsewhere"
+    fs = io_fs(ck, opts)
+    io = plugin(store_at)
+    io.save_checkpoint({"global_step": 4, "epoch": 0, "state_dict": dict(WEIGHTS), "callbacks": {}}, f"{ck}/best.ckpt")
+    pointer = fs.cat_file(f"{ck}/best.ckpt")
+    fs.makedirs(elsewhere, exist_ok=True)
+    fs.pipe_file(f"{elsewhere}/best.ckpt", pointer)
+    for p in (io, plugin(store_at)):
+        with pytest.warns(RemovalRefusedWarning, match="not removed: .*below none of the directories this plug-in "
+                                                       "saved checkpoints into"):
+            p.remove_checkpoint(f"{elsewhere}/best.ckpt")
+    with pytest.warns(RemovalRefusedWarning, match=r"below none of the directories .*\(none yet\)"):
+        plugin(store_at).remove_checkpoint(f"{ck}/best.ckpt")  # a fresh plug-in has saved nowhere yet
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{elsewhere}/best.ckpt") == pointer and fs.cat_file(f"{ck}/best.ckpt") == pointer
+    got = io.load_checkpoint(f"{elsewhere}/best.ckpt")  # still the run's save, read where it is named
+    assert all(torch.equal(got["state_dict"][k], v) for k, v in WEIGHTS.items())
+    io.remove_checkpoint(f"{ck}/best.ckpt")
+    fs.invalidate_cache()
+    assert not fs.exists(f"{ck}/best.ckpt") and fs.cat_file(f"{elsewhere}/best.ckpt") == pointer
 
 
 # ------------------------------------------------------------------ what a load returns

@@ -222,6 +222,32 @@ MUTATIONS: list[Mutation] = [
         ("tests/backends/test_conformance.py::TestBackendConformance::test_create_if_absent",),
         backends="moto",
     ),
+    # ---- issue 30 class 9: the plug-ins
+    Mutation(
+        "lightning-dir-followed",
+        "below its checkpoint directories the Lightning plug-in opens every component without following a link "
+        "(THREATS §4.5)",
+        "ckptstore/integrations/lightning/paths.py",
+        (("    root = dirs.root_of(path) if dirs is not None else None\n", "    root = None\n"),),
+        ("tests/fail_closed/test_lightning_planted.py::test_a_linked_directory_in_a_removal_path_is_never_followed",),
+        backends="local",
+    ),
+    Mutation(
+        "lightning-removal-anywhere",
+        "the Lightning plug-in removes a pointer only inside one of its checkpoint directories (THREATS §4.5)",
+        "ckptstore/integrations/lightning/checkpoint_io.py",
+        (("            if not inside:\n                return outside(self._dirs.roots())\n", ""),),
+        ("tests/fail_closed/test_lightning_planted.py::test_a_pointer_outside_its_checkpoint_directories_is_never_removed",),
+        backends="local",
+    ),
+    Mutation(
+        "hf-publish-unbounded",
+        "a published checkpoint-N is bounded by max_bytes before a byte is read (THREATS §4.6 rule 5)",
+        "ckptstore/integrations/hf.py",
+        (("            _check_size(d, files, max_bytes)\n", ""),),
+        ("tests/fail_closed/test_hf_planted.py::test_a_planted_sparse_file_is_refused_before_a_byte_is_uploaded",),
+        backends="local",
+    ),
 ]
 
 

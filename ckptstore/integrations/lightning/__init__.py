@@ -5,7 +5,8 @@
 
 Modules: :mod:`.checkpoint_io` (``StoreCheckpointIO``, ``load_module``),
 :mod:`.async_io` (``AsyncStoreCheckpointIO``), :mod:`.files` (how a Lightning
-checkpoint becomes components and a pointer file), :mod:`.trust` (reading a
+checkpoint becomes components and a pointer file), :mod:`.paths` (its
+checkpoint directories: no link followed below them), :mod:`.trust` (reading a
 pointer file as hostile input).
 """
 

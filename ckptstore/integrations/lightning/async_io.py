@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 
-from ...errors import InvalidInputError
+from ...errors import CkptStoreError, InvalidInputError
 from ...torch.codec import flatten
 from .checkpoint_io import StoreCheckpointIO
 from .files import mark_done, mark_in_flight
@@ -56,7 +56,7 @@ class AsyncStoreCheckpointIO(AsyncCheckpointIO):
             try:
                 if inner.reserve(path, step):  # the path is taken now, as after a synchronous save (see reserve)
                     mark_in_flight(path)  # a load of it in this process waits for the queued save
-            except OSError:
+            except (OSError, CkptStoreError):
                 pass  # the path cannot be written: the save itself fails on it, reported at the next call
         earlier = self._error
         try:

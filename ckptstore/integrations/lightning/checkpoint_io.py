@@ -40,10 +40,14 @@ the plug-in's unless ``allow_other_stores=True``, checks that the save it
 names still has the same manifest digest (and, under ``auth_policy`` warn or
 require, that its commit record is authenticated and inline state carries the
 run key's tag), and reads every component verified against its BLAKE3 digest.
+Below the directories it saves into (its *checkpoint directories*,
+:mod:`.paths`) no path it reads, writes or removes goes through a link: every
+component is opened no-follow from the directory's descriptor.
 ``remove_checkpoint`` removes only the pointer (the bytes are the store's and
 go through its gc), and only a file it proves it wrote: a pointer to its own
-run or a detached file it wrote, never through a link or a path with ``..``
-(anything else is kept, with a :class:`RemovalRefusedWarning`).
+run inside one of its checkpoint directories, or a detached file it wrote,
+never through a link or a path with ``..`` (anything else is kept, with a
+:class:`RemovalRefusedWarning`).
 ``protocol_spec/THREATS.md`` §4.5 has the rules and their tests.
 
 Pointer file (JSON, one object)::
@@ -107,6 +111,7 @@ from .files import (
     FORMAT,
     POINTER_FORMAT,
     Published,
+    check_writable,
     detached_bytes,
     encode_checkpoint,
     inline_state,
@@ -122,6 +127,7 @@ from .files import (
     write_atomic,
     write_pointer_for_latest,
 )
+from .paths import CheckpointDirs, outside
 from .trust import (
     RemovalRefusedWarning,
     check_inline,
@@ -176,9 +182,11 @@ class StoreCheckpointIO(CheckpointIO):
     must be authenticated and inline state must carry the run key's tag. A
     detached file (a dict without ``global_step``) is loaded only if this
     plug-in or one of its spawned copies wrote it. ``remove_checkpoint``
-    removes only such files (a pointer to this plug-in's run, or a detached
-    file it wrote), never through a link or a ``..``; anything else is kept
-    with a :class:`RemovalRefusedWarning`.
+    removes only such files (a pointer to this plug-in's run inside a directory
+    it saved into, or a detached file it wrote), never through a link or a
+    ``..``; anything else is kept with a :class:`RemovalRefusedWarning`. Below
+    the directories it saved into, a path through a link is refused for
+    reading and saving too (``protocol_spec/THREATS.md`` §4.5).
 
     ``auth_policy``/``keyring``: as for :meth:`CheckpointStore.open`, for the
     stores it opens (with an open ``store``, that store's are used).
@@ -224,6 +232,8 @@ class StoreCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()
         self._published: dict[int, Published] = {}
         self._readers: dict[tuple[str, str], CheckpointStore] = {}
+        #: the directories it saved into: below them nothing is followed, outside them no pointer is removed
+        self._dirs = CheckpointDirs()
 
     # ------------------------------------------------------------------ pickling (ddp_spawn sends plug-ins to workers)
     def __getstate__(self) -> dict[str, Any]:
@@ -323,20 +333,23 @@ class StoreCheckpointIO(CheckpointIO):
         that ``ModelCheckpoint``'s ``-v1`` version naming sees the path taken at once, as it
         would after a synchronous save). True if this call made it."""
         store = self.store
-        return reserve_path(path, pending_bytes(store.backend.url, store.run_id, step), self._options_for(os.fspath(path)))
+        return reserve_path(path, pending_bytes(store.backend.url, store.run_id, step), self._options_for(os.fspath(path)),
+                            self._dirs)
 
     def release(self, path: PATH) -> None:
         """Remove the reservation at ``path`` if one of this plug-in's run is there (else nothing)."""
-        def reservation(f: Any, where: str) -> str | None:
-            return None if is_pending(f.read(len(DETACHED_MAGIC))) and self._mine_pending(f, where) is None else "-"
+        def reservation(f: Any, where: str, inside: bool) -> str | None:
+            ours = inside and is_pending(f.read(len(DETACHED_MAGIC))) and self._mine_pending(f, where) is None
+            return None if ours else "-"
 
         try:
-            remove_own_file(path, reservation, self._options_for(os.fspath(path)))
+            remove_own_file(path, reservation, self._options_for(os.fspath(path)), self._dirs)
         except (OSError, CkptStoreError):
             pass  # called while a save fails: that failure is what is raised
 
     def _save_pointed(self, checkpoint: dict[str, Any], step: int, path: PATH) -> None:
         parts = encode_checkpoint(checkpoint, self.registry)  # refuses unrepresentable objects before any write
+        check_writable(path, self._dirs)  # and a pointer path through a link, before the commit
         store = self.store
         keys = list(parts)
         with self._lock:
@@ -348,14 +361,14 @@ class StoreCheckpointIO(CheckpointIO):
                 for old in sorted(self._published)[:-8]:  # a step is revisited only right after its save
                     del self._published[old]
         data = make_pointer(pub.ref, store.backend.url, keys, inline_state(pub, parts, step, self.max_inline_bytes), self.auth)
-        write_atomic(path, data, self._options_for(os.fspath(path)))
+        write_atomic(path, data, self._options_for(os.fspath(path)), self._dirs)
 
     def _save_detached(self, checkpoint: Mapping[str, Any], path: PATH) -> None:
         parts = encode_checkpoint(checkpoint, self.registry)  # same refusals, same messages
         tensors = {f"{i}/{k}": t for i, p in enumerate(parts.values()) for k, t in p.tensors.items()}
         doc = {"keys": list(parts), "trees": {k: p.tree for k, p in parts.items()}}
         data = detached_bytes(tree_to_json(doc), tensor_bytes(tensors), self._detached_key)
-        write_atomic(path, data, self._options_for(os.fspath(path)))
+        write_atomic(path, data, self._options_for(os.fspath(path)), self._dirs)
 
 
     # ------------------------------------------------------------------ load
@@ -369,7 +382,7 @@ class StoreCheckpointIO(CheckpointIO):
         its auth policy does not accept is a :class:`CorruptionError`."""
         where = os.fspath(path)
         cap = pointer_cap(self.max_inline_bytes)
-        with open_checked(path, self._options_for(os.fspath(path))) as f:
+        with open_checked(path, self._options_for(os.fspath(path)), self._dirs) as f:
             head = f.read(len(DETACHED_MAGIC))
             if is_detached(head):
                 f.seek(0)
@@ -414,7 +427,7 @@ class StoreCheckpointIO(CheckpointIO):
         a detached file it wrote. A link, a special file, a path with ``..`` or
         any other file is kept, with a :class:`RemovalRefusedWarning`; a missing
         file is nothing to do."""
-        why = remove_own_file(path, self._mine, self._options_for(os.fspath(path)))
+        why = remove_own_file(path, self._mine, self._options_for(os.fspath(path)), self._dirs)
         if why is not None:
             warnings.warn(
                 f"{os.fspath(path)}: not removed: {why}; the ckptstore Lightning plug-in removes only the "
@@ -423,9 +436,12 @@ class StoreCheckpointIO(CheckpointIO):
                 stacklevel=2,
             )
 
-    def _mine(self, f: Any, where: str) -> str | None:
-        """None if the open file ``f`` is a pointer to this plug-in's own run (``allow_other_stores``
-        does not widen what it removes) or a detached file it wrote."""
+    def _mine(self, f: Any, where: str, inside: bool) -> str | None:
+        """None if the open file ``f`` is a detached file this plug-in (or a copy) wrote (its tag
+        proves it, wherever it is: the spawn launcher's hand-off in a temporary directory), or,
+        ``inside`` one of its checkpoint directories, a pointer or reservation of its own run
+        (``allow_other_stores`` does not widen what it removes): such a file names a run, not
+        where it was written, so outside those directories it is kept."""
         cap = pointer_cap(self.max_inline_bytes)
         try:
             head = f.read(len(DETACHED_MAGIC))
@@ -433,6 +449,8 @@ class StoreCheckpointIO(CheckpointIO):
                 f.seek(0)
                 detached_header(f, where, self._detached_key)
                 return None
+            if not inside:
+                return outside(self._dirs.roots())
             if is_pending(head):
                 return self._mine_pending(f, where)
             ptr = parse_pointer(read_at_most(f, cap, where, head), where, cap)

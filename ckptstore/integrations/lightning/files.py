@@ -31,7 +31,8 @@ from ...torch.codec import (
     tree_from_json,
     tree_to_json,
 )
-from ...util import files as durable
+from .paths import CheckpointDirs, is_remote, local_path, open_parent
+from .paths import key as key_of
 
 FORMAT = "ckptstore.lightning/1"
 POINTER_FORMAT = "ckptstore.lightning-pointer/1"
@@ -198,14 +199,6 @@ PENDING_MAGIC = b"CKPTSTORE-LIGHTNING-PENDING/01\n"
 MAX_PENDING_BYTES = 4096
 
 
-def is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def local_path(path: str) -> str:
-    return path.removeprefix("file://")
-
-
 def url_scheme(url: str) -> str:
     """``s3``, ``gs``, ... of a URL; ``file`` for a local path."""
     return url.split("://", 1)[0].lower() if "://" in url else "file"
@@ -216,16 +209,64 @@ def filesystem(path: str, options: Mapping[str, Any] | None = None) -> Any:
     return get_filesystem(path, **dict(options or {}))
 
 
-def write_atomic(path: PATH, data: bytes, options: Mapping[str, Any] | None = None) -> None:
+def write_atomic(path: PATH, data: bytes, options: Mapping[str, Any] | None = None,
+                 dirs: CheckpointDirs | None = None) -> None:
+    """Replace the file at ``path`` with ``data`` atomically (remote: one PUT;
+    local: a temporary file created exclusively and no-follow in the same
+    directory, fsynced, renamed over the name through the directory's
+    descriptor, the directory fsynced). The directory is resolved as
+    :func:`.paths.open_parent` does: below one of ``dirs`` no link is followed
+    (a link there is an :class:`InvalidInputError`); a link at the name itself
+    is replaced, never written through. On success the directory becomes one
+    of ``dirs``."""
     p = os.fspath(path)
     if is_remote(p):
         fs = filesystem(p, options)
         with fs.open(p, "wb") as f:  # one PUT: atomic on object stores
             f.write(data)
-        return
-    p = local_path(p)
-    os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-    durable.write_atomic(p, data, prefix=".ckptstore-pointer-")
+    else:
+        dfd, name, _root = open_parent(p, dirs, InvalidInputError, create=True)
+        try:
+            _replace_at(dfd, name, data, key_of(p))
+        finally:
+            os.close(dfd)
+    if dirs is not None:
+        dirs.note(p)
+
+
+def check_writable(path: PATH, dirs: CheckpointDirs | None) -> None:
+    """Refuse now (:class:`InvalidInputError`), before anything is committed, a local ``path``
+    that :func:`write_atomic` would refuse for a link below one of ``dirs`` (its missing
+    directories are made, as the write would make them)."""
+    p = os.fspath(path)
+    if not is_remote(p):
+        os.close(open_parent(p, dirs, InvalidInputError, create=True)[0])
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _replace_at(dfd: int, name: str, data: bytes, where: str) -> None:
+    tmp = f".ckptstore-pointer-{os.urandom(8).hex()}"
+    fd = os.open(tmp, _CREATE, 0o600, dir_fd=dfd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except IsADirectoryError:
+            raise InvalidInputError(
+                f"{where}: a directory is where the checkpoint file belongs; remove it or save to another path"
+            ) from None
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        raise
+    os.fsync(dfd)
 
 
 #: reservations made in this process whose saves are still running (path -> set when the save ends)
@@ -267,9 +308,11 @@ def pending_bytes(url: str, run_id: str, step: int) -> bytes:
     return PENDING_MAGIC + canonical_json({"store": url, "run_id": run_id, "step": step})
 
 
-def reserve_path(path: PATH, data: bytes, options: Mapping[str, Any] | None = None) -> bool:
+def reserve_path(path: PATH, data: bytes, options: Mapping[str, Any] | None = None,
+                 dirs: CheckpointDirs | None = None) -> bool:
     """Create the file at ``path`` with ``data`` only if nothing is there (local: one exclusive,
-    no-follow create, fsynced with its directory; remote: a PUT after an existence check, the
+    no-follow create relative to the directory's descriptor, resolved as :func:`write_atomic`
+    resolves it, fsynced with its directory; remote: a PUT after an existence check, the
     plug-in being the job's one writer). True if this call created it."""
     p = os.fspath(path)
     if is_remote(p):
@@ -278,24 +321,22 @@ def reserve_path(path: PATH, data: bytes, options: Mapping[str, Any] | None = No
             return False
         with fs.open(p, "wb") as f:
             f.write(data)
-        return True
-    p = local_path(p)
-    d = os.path.dirname(os.path.abspath(p))
-    os.makedirs(d, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(p, flags, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    else:
+        dfd, name, _root = open_parent(p, dirs, InvalidInputError, create=True)
+        try:
+            try:
+                fd = os.open(name, _CREATE, 0o644, dir_fd=dfd)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    if dirs is not None:
+        dirs.note(p)
     return True
 
 

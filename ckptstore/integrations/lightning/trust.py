@@ -10,7 +10,6 @@ import base64
 import errno
 import hmac
 import os
-import re
 import stat
 import struct
 import warnings
@@ -36,11 +35,10 @@ from .files import (
     POINTER_FORMAT,
     POINTER_TAG_KIND,
     filesystem,
-    is_remote,
-    local_path,
     map_tensors,
     pointer_digest,
 )
+from .paths import CheckpointDirs, has_dotdot, is_remote, key, open_parent
 
 #: what a pointer file may hold besides its inline state (the inline state is capped by ``max_inline_bytes``,
 #: base64 makes it 4/3 as large)
@@ -115,9 +113,12 @@ def _open_fd(name: str, where: str, dir_fd: int | None = None, *, hop: bool = Fa
 
 
 @contextmanager
-def open_checked(path: PATH, options: Mapping[str, Any] | None = None) -> Iterator[BinaryIO]:
+def open_checked(path: PATH, options: Mapping[str, Any] | None = None,
+                 dirs: CheckpointDirs | None = None) -> Iterator[BinaryIO]:
     """The file at ``path`` for reading: local files opened without following a
-    link and only if regular; remote ones through fsspec. A missing file is
+    link and only if regular, their directory resolved as
+    :func:`.paths.open_parent` does (below one of ``dirs``, no link anywhere in
+    the path); remote ones through fsspec. A missing file is
     ``FileNotFoundError`` (what Lightning expects); a link or special file a
     :class:`CorruptionError`."""
     p = os.fspath(path)
@@ -130,7 +131,16 @@ def open_checked(path: PATH, options: Mapping[str, Any] | None = None) -> Iterat
         with f:
             yield f
         return
-    with os.fdopen(_open_fd(local_path(p), local_path(p), hop=True), "rb") as lf:
+    lp = key(p)
+    try:
+        dfd, name, _root = open_parent(p, dirs, CorruptionError)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Checkpoint file not found: {lp}") from None
+    try:
+        fd = _open_fd(name, lp, dir_fd=dfd, hop=True)
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as lf:
         yield lf
 
 
@@ -294,35 +304,45 @@ def read_detached(f: BinaryIO, where: str, key: bytes) -> tuple[bytes, bytes]:
     return payload[:doc_size], payload[doc_size:]
 
 
-def remove_own_file(path: PATH, mine: Callable[[BinaryIO, str], str | None],
-                    options: Mapping[str, Any] | None = None) -> str | None:
-    """Remove the file at ``path`` if ``mine(file, where)`` says this plug-in
-    wrote it (returns None); else keep it and return why. A path with a ``..``
-    component, a special file or a link is never removed -- except a sibling
-    link (:func:`sibling_target`) to a file ``mine`` accepts: the link is
-    removed, never its target; a missing file is nothing to do. Local files are judged and unlinked through one directory
-    descriptor, and only if the name still names the file judged."""
+#: what ``remove_own_file``'s judge is asked: may the open file ``f`` at ``where`` go? ``inside``: the path
+#: lies below one of the plug-in's checkpoint directories. None: it goes; else why not.
+Judge = Callable[[BinaryIO, str, bool], "str | None"]
+
+
+def remove_own_file(path: PATH, mine: Judge, options: Mapping[str, Any] | None = None,
+                    dirs: CheckpointDirs | None = None) -> str | None:
+    """Remove the file at ``path`` if ``mine(file, where, inside)`` says this
+    plug-in wrote it (returns None); else keep it and return why. A path with a
+    ``..`` component, a special file or a link is never removed -- except a
+    sibling link (:func:`sibling_target`) to a file ``mine`` accepts: the link
+    is removed, never its target; a missing file is nothing to do. ``inside``
+    tells ``mine`` whether the path lies below one of ``dirs`` (then every
+    component below that directory was opened without following a link, and a
+    link there keeps the file). Local files are judged and unlinked through one
+    directory descriptor, and only if the name still names the file judged."""
     p = os.fspath(path)
-    if ".." in re.split(r"[/\\]", p):
+    if has_dotdot(p):
         return "its path contains '..'"
+    inside = dirs is not None and dirs.root_of(p) is not None
     if is_remote(p):
         fs = filesystem(p, options)
         try:
             with fs.open(p, "rb") as f:
-                why = mine(f, p)
+                why = mine(f, p, inside)
         except FileNotFoundError:
             return None
         if why is None:
             fs.rm(p)
         return why
-    lp = os.path.abspath(local_path(p))
-    d, name = os.path.split(lp)
+    lp = key(p)
     try:
-        dfd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+        dfd, name, _root = open_parent(p, dirs, CorruptionError)
     except FileNotFoundError:
         return None
+    except CorruptionError as exc:
+        return str(exc).removeprefix(f"{lp}: ")
     except OSError as exc:
-        return f"its directory cannot be opened without following a link ({exc.strerror})"
+        return f"its directory cannot be opened ({exc.strerror})"
     try:
         try:
             link = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -337,7 +357,7 @@ def remove_own_file(path: PATH, mine: Callable[[BinaryIO, str], str | None],
             return str(exc).removeprefix(f"{lp}: ")
         judged = os.fstat(fd)
         with os.fdopen(fd, "rb") as f:
-            why = mine(f, lp)
+            why = mine(f, lp, inside)
         if why is not None:
             return why if target is None else f"it is a link to {target!r}, which is {why}"
         # a sibling link to a file of ours: the link goes, never its target

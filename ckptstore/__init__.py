@@ -34,7 +34,7 @@ from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection, Skip, S
 from .retry import RetryPolicy
 from .store import DEFAULT_GRACE_SECONDS, CheckpointStore, GcReport, OpenOptions, ReplicationStatus, SaveWriter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",

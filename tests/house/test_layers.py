@@ -26,7 +26,8 @@ def _written_order() -> list[str]:
 # The core, bottom to top. A module may import only modules listed before it
 # (and itself-level siblings of the protocol package, which is one layer).
 CORE_ORDER = _written_order()
-OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata", "lightning", "transformers", "obstore")
+OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata", "lightning", "transformers", "obstore",
+                  "prometheus_client")
 
 
 def _layer(module: str) -> str:

@@ -8,7 +8,7 @@ in ``ckptstore.ops`` (extra ``runs``).
 from .backends.base import Backend, Capabilities, ObjectInfo
 from .backends.schemes import register_scheme
 from .core.reader import VerifyReport
-from .core.record_auth import UnauthenticatedWarning
+from .core.record_auth import UnauthenticatedWarning, keyring_from_file
 from .core.writer import StagedSave
 from .errors import (
     CkptStoreError,
@@ -76,5 +76,6 @@ __all__ = [
     "UnsupportedBackendError",
     "VerifyReport",
     "digest_tree",
+    "keyring_from_file",
     "register_scheme",
 ]

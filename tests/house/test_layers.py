@@ -186,6 +186,20 @@ def test_drill_without_its_extra_says_which_to_install(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_the_torch_adapter_without_its_extra_says_which_to_install(tmp_path: Path) -> None:
+    code = """
+        try:
+            import ckptstore.torch
+        except ImportError as exc:
+            from ckptstore import ExtraRequiredError
+            print(type(exc).__name__, isinstance(exc, ExtraRequiredError), exc)
+    """
+    r = _run_blocked(code, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ExtraRequiredError True import ckptstore.torch needs the 'torch' extra"), r.stdout
+    assert r.stdout.strip().endswith("pip install 'ckptstore[torch]'"), r.stdout
+
+
 @pytest.mark.parametrize("scheme", ["az", "weird"])
 def test_unknown_scheme_names_the_known_ones(scheme: str) -> None:
     from ckptstore import CheckpointStore, InvalidInputError

@@ -51,6 +51,7 @@ PUBLIC = [
     "ckptstore.ops.decision",
     "ckptstore.ops.promote",
     "ckptstore.ops.artifact",
+    "ckptstore.ops.status",
     "ckptstore.testing",
     "ckptstore.testing.conformance",
     "ckptstore.testing.invariants",

@@ -8,7 +8,7 @@ in ``ckptstore.ops`` (extra ``runs``).
 from .backends.base import Backend, Capabilities, ObjectInfo
 from .backends.schemes import register_scheme
 from .core.reader import VerifyReport
-from .core.record_auth import UnauthenticatedWarning
+from .core.record_auth import UnauthenticatedWarning, keyring_from_file
 from .core.writer import StagedSave
 from .errors import (
     CkptStoreError,
@@ -35,7 +35,7 @@ from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection, Skip, S
 from .retry import RetryPolicy
 from .store import DEFAULT_GRACE_SECONDS, CheckpointStore, GcReport, OpenOptions, ReplicationStatus, SaveWriter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
@@ -78,5 +78,6 @@ __all__ = [
     "UnsupportedBackendError",
     "VerifyReport",
     "digest_tree",
+    "keyring_from_file",
     "register_scheme",
 ]

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from ..errors import TransientError
 from .base import Backend, Buffer, ObjectInfo
 
+__all__ = ["Crashed", "Fault", "FaultyBackend", "TraceEntry", "transient"]
+
 
 class Crashed(BaseException):
     """The simulated process died. A BaseException, so ``except Exception``

@@ -121,7 +121,7 @@ def cmd_verify_artifact(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from ..ops.status import parse_age, run_status, status_samples
-    from ..util.prometheus import render, write_textfile
+    from ..util.prometheus import write_textfile
 
     check_output_file(args.prom, "--prom", ".prom")  # before any store is read: one line, never an OSError
     max_age = parse_age(args.max_age) if args.max_age else None
@@ -135,7 +135,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         lines.append(esc(st.line()))
         ok = ok and st.ok
     if args.prom:
-        write_textfile(args.prom, render(samples))
+        write_textfile(args.prom, samples)
     emit(args, out, "\n".join(lines))
     return 0 if ok else 1
 

@@ -13,7 +13,7 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     util.redact               credentials out of messages and records
     util.terminal             storage strings made safe to print
     util.progress             a progress bar on a terminal, silence elsewhere
-    util.prometheus           Prometheus's text format, atomic textfiles
+    util.prometheus           Prometheus metrics through prometheus-client (extra metrics)
     util.files                directory fsync, atomic replace
     defaults                  the budget and gc-grace defaults
     protocol                  records, layout, selection, gc plan (pure, no I/O)

@@ -97,7 +97,7 @@ def _read_key_file(p: str) -> bytes:
         if exc.errno == errno.ELOOP:
             raise InvalidInputError(
                 f"key file {p}: is a symbolic link; key files are opened without following links "
-                "(point --auth-key-file at the file itself)"
+                "(point --auth-key-file or keyring_from_file() at the file itself)"
             ) from None
         raise InvalidInputError(f"key file {p}: {exc.strerror}") from None
     try:
@@ -129,12 +129,16 @@ def _read_key_file(p: str) -> bytes:
 
 
 def keyring_from_file(path: str | os.PathLike[str]) -> Keyring:
-    """The key ring in a key file ``{"active": ID, "keys": {ID: HEX}}``.
+    """The :class:`~ckptstore.Keyring` in a key file ``{"active": ID, "keys": {ID: HEX}}``
+    (public as ``ckptstore.keyring_from_file``; the same loader as the CLI's
+    ``--auth-key-file``). ``active`` signs (default: the first key); every key
+    verifies. Each key is at least 32 bytes, written as hex.
 
-    Refused (:class:`InvalidInputError` naming the file and the cause, never
-    any of its content): a symbolic link, anything but a regular file, a file
-    owned by another user or readable by group or others, one over 64 KiB,
-    malformed JSON or keys."""
+    Refused (:class:`~ckptstore.InvalidInputError` naming the file and the
+    cause, never any of its content): a symbolic link (the last component is
+    opened without following it), anything but a regular file, a file owned
+    by another user or readable or writable by group or others (``chmod 600``),
+    one over 64 KiB, malformed JSON or keys, an ``active`` that names no key."""
     p = os.fspath(path)
     data = _read_key_file(p)
     try:

@@ -22,6 +22,8 @@ from typing import Any
 
 from ..protocol.selection import Skip
 
+__all__ = ["Action", "Decision", "decide", "plan_resume"]
+
 
 class Action(str, enum.Enum):
     RESUME = "resume"

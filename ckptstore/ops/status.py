@@ -9,22 +9,28 @@ and the budget spent (from the validated ledger, :mod:`.budget`). A run is
 than ``max_age``, or its budget is spent; each problem is named.
 
 :func:`status_samples` gives the same facts as Prometheus samples
-(:mod:`ckptstore.util.prometheus`), for ``status --prom FILE``.
+(:mod:`ckptstore.util.prometheus`), for ``status --prom FILE``;
+:func:`status_registry` the same as a ``prometheus_client`` registry to serve
+from an endpoint of your own (both need the ``metrics`` extra).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..protocol.selection import SaveState
 from ..store import CheckpointStore
-from ..util.prometheus import Sample
+from ..util.prometheus import Sample, registry
 from .budget import Budget, account
 from .events import validate_events
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -164,3 +170,10 @@ def status_samples(st: RunStatus) -> list[Sample]:
         ("ckptstore_status_ok", 1.0 if st.ok else 0.0, "gauge", "1 when the run is fresh and within budget"),
     ]
     return [Sample(n, float(v), h, k, lab) for n, v, k, h in vals if v is not None]
+
+
+def status_registry(statuses: Iterable[RunStatus]) -> CollectorRegistry:
+    """A ``prometheus_client.CollectorRegistry`` of these runs' status samples
+    (the ones ``status --prom`` writes), to expose from an HTTP endpoint of your
+    own; needs the ``metrics`` extra (``pip install 'ckptstore[metrics]'``)."""
+    return registry([s for st in statuses for s in status_samples(st)])

@@ -1,7 +1,18 @@
 """PyTorch adapter: save the whole training state without pickle, resume it exactly.
 
 Importing this module imports torch; the core ``ckptstore`` never does.
+Without the ``torch`` extra (torch, safetensors, numpy) the import fails with
+one :class:`~ckptstore.ExtraRequiredError` (an ``ImportError``) naming
+``pip install 'ckptstore[torch]'``.
 """
+
+from importlib.util import find_spec
+
+from ..errors import ExtraRequiredError
+
+for _module in ("torch", "safetensors", "numpy"):
+    if find_spec(_module) is None:
+        raise ExtraRequiredError("import ckptstore.torch", "torch", _module)
 
 from .checkpointer import EX_TEMPFAIL, Checkpointer, ConfigChangeWarning
 from .codec import flatten, unflatten

@@ -57,7 +57,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -106,6 +106,9 @@ from .state import (
     summarize,
     write_snapshot,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 ConfigChoice = Literal["keep-saved", "take-new", "refuse"]
 
@@ -451,6 +454,21 @@ class Checkpointer:
                 obj.arm_after_resume(global_rng)
             elif is_stateful_dataloader(obj):
                 fix_stateful_dataloader_resume(obj, dict(gens.get(name, {})), global_rng)
+
+    def metrics_registry(self) -> CollectorRegistry:
+        """A ``prometheus_client.CollectorRegistry`` of this Checkpointer's
+        metrics (:mod:`ckptstore.torch.metrics`: the same names and values as the
+        ``metrics_path`` textfile), read afresh at every scrape. Serve it from
+        the training process's own endpoint, e.g.
+        ``prometheus_client.start_http_server(9100, registry=ckpt.metrics_registry())``.
+
+        Needs the ``metrics`` extra (``pip install 'ckptstore[metrics]'``;
+        :class:`~ckptstore.ExtraRequiredError` otherwise). Without
+        ``metrics_path`` the metrics are kept in memory from this call on: call
+        it before :meth:`resume` so the resume's figures are in."""
+        if self.metrics is None:
+            self.metrics = CheckpointerMetrics(None, self.store.run_id)
+        return self.metrics.registry()
 
     # ------------------------------------------------------------ saving
     def _raise_background(self) -> None:

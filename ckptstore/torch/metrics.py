@@ -17,15 +17,23 @@ format, for node_exporter's textfile collector. Every sample carries the
 * ``ckptstore_restarts`` — attempts before this one;
 * ``ckptstore_time_to_first_useful_step_seconds`` — from the Checkpointer's
   construction (the process's start, if ``started_at`` is given) to the end of the first step.
+
+The same values can be served from the training process's own HTTP endpoint:
+:meth:`Checkpointer.metrics_registry() <ckptstore.torch.Checkpointer.metrics_registry>`
+returns a ``prometheus_client.CollectorRegistry`` read at every scrape. Both
+need the ``metrics`` extra (``pip install 'ckptstore[metrics]'``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..util.prometheus import Sample, render, write_textfile
+from ..util.prometheus import Sample, client, registry, render, write_textfile
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 METRICS = {
     "ckptstore_last_complete_save_timestamp_seconds": ("gauge", "Unix time of the newest committed save"),
@@ -46,6 +54,7 @@ class CheckpointerMetrics:
     """The values, and the textfile they are written to (``path``; None: kept in memory only)."""
 
     def __init__(self, path: str | None, run_id: str, *, started_at: float | None = None) -> None:
+        client(f"metrics_path={path!r}" if path is not None else "the Checkpointer's metrics")  # the extra, now
         self.path = path
         self.run_id = run_id
         self.started = started_at if started_at is not None else time.monotonic()
@@ -107,9 +116,13 @@ class CheckpointerMetrics:
     def text(self) -> str:
         return render(self.samples())
 
+    def registry(self) -> CollectorRegistry:
+        """A ``prometheus_client`` registry of these metrics, read afresh at every scrape."""
+        return registry(self.samples)
+
     def flush(self) -> None:
         if self.path is not None:
-            write_textfile(self.path, self.text())
+            write_textfile(self.path, self.samples())
 
 
 def save_event(events: list[dict[str, Any]], save_id: str) -> dict[str, Any] | None:

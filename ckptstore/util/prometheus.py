@@ -1,22 +1,40 @@
-"""Prometheus's text exposition format, by hand (no client library needed).
+"""Prometheus metrics through the official client, ``prometheus-client`` (extra ``metrics``).
 
-:func:`render` turns samples into the text format (version 0.0.4) that
-Prometheus scrapes and node_exporter's textfile collector reads;
-:func:`write_textfile` publishes it atomically (written to a temporary file in
-the same directory, fsynced, renamed), so the collector never reads half a
-file. Metric and label names are checked; label values are escaped.
+ckptstore describes its metrics as :class:`Sample` values (no dependency);
+this module hands them to the client, which owns the text format:
+
+* :func:`registry` — a ``prometheus_client.CollectorRegistry`` that reads the
+  samples afresh at every scrape (serve it from your own HTTP endpoint with
+  ``prometheus_client.start_http_server(port, registry=...)`` or
+  ``make_wsgi_app(registry)``);
+* :func:`render` — the text exposition format (version 0.0.4), the client's
+  ``generate_latest``;
+* :func:`write_textfile` — a file for node_exporter's textfile collector, the
+  client's ``write_to_textfile`` (written beside the target, then renamed over
+  it, so the collector never reads half a file).
+
+Without the extra, each raises :class:`~ckptstore.errors.ExtraRequiredError`
+naming ``pip install 'ckptstore[metrics]'``; importing this module never needs
+it. Metric and label names are checked here (one spelling: the classic
+Prometheus names, a counter's ending in ``_total``) so the names a dashboard
+uses do not depend on the client's version; label values are escaped by the
+client.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
-import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import ExtraRequiredError, InvalidInputError
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -34,60 +52,84 @@ class Sample:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def client(what: str = "Prometheus metrics") -> ModuleType:
+    """The ``prometheus_client`` module, or the one-line error naming the extra."""
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ExtraRequiredError(what, "metrics", "prometheus-client") from exc
+    return prometheus_client
 
 
-def _number(v: float) -> str:
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v)) if abs(v) < 2**53 else repr(float(v))
+def _check(s: Sample) -> None:
+    if not _NAME.fullmatch(s.name):
+        raise InvalidInputError(f"metric name {s.name!r} is not a Prometheus name")
+    if s.kind not in KINDS:
+        raise InvalidInputError(f"metric {s.name}: type must be one of {KINDS}")
+    if s.kind == "counter" and not s.name.endswith("_total"):
+        raise InvalidInputError(f"metric {s.name}: a counter's name ends in _total")
+    for k in s.labels:
+        if not _LABEL.fullmatch(k) or k.startswith("__"):
+            raise InvalidInputError(f"metric {s.name}: label name {k!r} is not a Prometheus label name")
+
+
+def families(samples: Iterable[Sample]) -> list[Metric]:
+    """The samples as the client's metric families: one per name, in
+    first-seen order, each with its help and type. Invalid names are refused."""
+    from prometheus_client.metrics_core import Metric
+
+    by_name: dict[str, Metric] = {}
+    for s in samples:
+        _check(s)
+        fam = by_name.get(s.name)
+        if fam is None:
+            # the client names a counter family without its _total suffix and adds it to the sample
+            base = s.name[: -len("_total")] if s.kind == "counter" else s.name
+            fam = by_name[s.name] = Metric(base, s.help, s.kind)
+        fam.add_sample(s.name, {k: str(v) for k, v in s.labels.items()}, float(s.value))
+    return list(by_name.values())
+
+
+class _Samples:
+    """A collector whose samples are read from ``source`` at every collection."""
+
+    def __init__(self, source: Callable[[], Iterable[Sample]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from families(self.source())
+
+
+def registry(samples: Iterable[Sample] | Callable[[], Iterable[Sample]]) -> CollectorRegistry:
+    """A ``prometheus_client.CollectorRegistry`` holding ``samples`` — a list
+    (fixed values) or a function returning them (read at every scrape)."""
+    pc = client()
+    source: Callable[[], Iterable[Sample]]
+    if callable(samples):
+        source = samples
+    else:
+        fixed = list(samples)
+        families(fixed)  # refuse invalid names now, not at the first scrape
+        source = lambda: fixed  # noqa: E731
+    reg: CollectorRegistry = pc.CollectorRegistry(auto_describe=False)
+    reg.register(_Samples(source))  # a collector is any object with collect()
+    return reg
 
 
 def render(samples: Iterable[Sample]) -> str:
     """The text format: one ``# HELP`` and ``# TYPE`` line per metric name
     (in first-seen order), then its samples. Invalid names are refused."""
-    by_name: dict[str, list[Sample]] = {}
-    for s in samples:
-        if not _NAME.fullmatch(s.name):
-            raise InvalidInputError(f"metric name {s.name!r} is not a Prometheus name")
-        if s.kind not in KINDS:
-            raise InvalidInputError(f"metric {s.name}: type must be one of {KINDS}")
-        for k in s.labels:
-            if not _LABEL.fullmatch(k) or k.startswith("__"):
-                raise InvalidInputError(f"metric {s.name}: label name {k!r} is not a Prometheus label name")
-        by_name.setdefault(s.name, []).append(s)
-    lines: list[str] = []
-    for name, group in by_name.items():
-        lines.append(f"# HELP {name} {_escape(group[0].help)}")
-        lines.append(f"# TYPE {name} {group[0].kind}")
-        for s in group:
-            lab = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(s.labels.items()))
-            lines.append(f"{name}{{{lab}}} {_number(s.value)}" if lab else f"{name} {_number(s.value)}")
-    return "\n".join(lines) + "\n"
+    pc = client()
+    return bytes(pc.generate_latest(registry(samples))).decode("utf-8")
 
 
-def write_textfile(path: str | os.PathLike[str], text: str) -> None:
-    """Publish ``text`` at ``path`` atomically (temporary file, fsync, rename).
-    node_exporter's textfile collector reads only ``*.prom`` files, so a name
-    ending otherwise is refused."""
+def write_textfile(path: str | os.PathLike[str], samples: Iterable[Sample]) -> None:
+    """Publish ``samples`` at ``path`` for node_exporter's textfile collector,
+    with the client's ``write_to_textfile`` (a temporary file in the same
+    directory, renamed over ``path``). The collector reads only ``*.prom``
+    files, so a name ending otherwise is refused."""
     p = os.fspath(path)
     if not p.endswith(".prom"):
         raise InvalidInputError(f"{p}: a metrics textfile must end in .prom (node_exporter reads only those)")
-    d = os.path.dirname(os.path.abspath(p))
-    fd, tmp = tempfile.mkstemp(prefix=".ckptstore-metrics-", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    pc = client(f"the metrics textfile {p}")
+    pc.write_to_textfile(p, registry(samples))

@@ -26,7 +26,8 @@ def _written_order() -> list[str]:
 # The core, bottom to top. A module may import only modules listed before it
 # (and itself-level siblings of the protocol package, which is one layer).
 CORE_ORDER = _written_order()
-OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata", "lightning", "transformers", "obstore")
+OPTIONAL_ROOTS = ("torch", "numpy", "matplotlib", "safetensors", "torchdata", "lightning", "transformers", "obstore",
+                  "prometheus_client")
 
 
 def _layer(module: str) -> str:
@@ -183,6 +184,20 @@ def test_drill_without_its_extra_says_which_to_install(tmp_path: Path) -> None:
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "pip install 'ckptstore[runs]'" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_torch_adapter_without_its_extra_says_which_to_install(tmp_path: Path) -> None:
+    code = """
+        try:
+            import ckptstore.torch
+        except ImportError as exc:
+            from ckptstore import ExtraRequiredError
+            print(type(exc).__name__, isinstance(exc, ExtraRequiredError), exc)
+    """
+    r = _run_blocked(code, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ExtraRequiredError True import ckptstore.torch needs the 'torch' extra"), r.stdout
+    assert r.stdout.strip().endswith("pip install 'ckptstore[torch]'"), r.stdout
 
 
 @pytest.mark.parametrize("scheme", ["az", "weird"])

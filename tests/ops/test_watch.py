@@ -83,14 +83,16 @@ def test_bad_max_age_is_refused(bad: str) -> None:
 
 
 def test_prometheus_text_format_and_atomic_textfile(tmp_path: Path) -> None:
-    text = render([Sample("a_total", 3, "A count", "counter", {"run": 'x"y\n'}), Sample("b", 0.5, "B")])
-    assert text.splitlines() == ["# HELP a_total A count", "# TYPE a_total counter", 'a_total{run="x\\"y\\n"} 3',
+    samples = [Sample("a_total", 3, "A count", "counter", {"run": 'x"y\n'}), Sample("b", 0.5, "B")]
+    text = render(samples)
+    # the client's spelling of numbers (3.0, Go-style exponents); names, labels and values as before
+    assert text.splitlines() == ["# HELP a_total A count", "# TYPE a_total counter", 'a_total{run="x\\"y\\n"} 3.0',
                                  "# HELP b B", "# TYPE b gauge", "b 0.5"]
     with pytest.raises(InvalidInputError):
         render([Sample("bad-name", 1, "x")])
     with pytest.raises(InvalidInputError):
-        write_textfile(tmp_path / "m.txt", text)
-    write_textfile(tmp_path / "m.prom", text)
+        write_textfile(tmp_path / "m.txt", samples)
+    write_textfile(tmp_path / "m.prom", samples)
     assert (tmp_path / "m.prom").read_text() == text and [p.name for p in tmp_path.iterdir()] == ["m.prom"]
 
 

@@ -39,6 +39,8 @@ from .common import SavePlanData
 from .reader import StoreReader
 from .writer import StoreWriter
 
+__all__ = ["IDENTITY", "RUN_ID", "PathStoreReader", "PathStoreWriter"]
+
 RUN_ID = "dcp"
 IDENTITY: Mapping[str, Any] = {"format": "ckptstore.dcp-path/1"}
 

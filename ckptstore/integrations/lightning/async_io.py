@@ -13,6 +13,8 @@ from ...torch.codec import flatten
 from .checkpoint_io import StoreCheckpointIO
 from .files import mark_done, mark_in_flight
 
+__all__ = ["AsyncStoreCheckpointIO"]
+
 
 class AsyncStoreCheckpointIO(AsyncCheckpointIO):
     """:class:`StoreCheckpointIO` with saves on a background thread.

@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..backends.base import Backend
+from ..backends.local import local_backend_options
 from ..backends.schemes import backend_from_url
 from ..defaults import BUDGET_GPU_HOURS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
 from ..errors import ExtraRequiredError, NotFoundError
@@ -40,6 +41,7 @@ def read_only_backend(url: str, storage_options: dict[str, Any] | None) -> Backe
     :class:`NotFoundError`, not a new empty store directory)."""
     if "://" not in url or url.startswith("file://"):
         path = urlparse(url).path if url.startswith("file://") else url
+        local_backend_options(storage_options)  # a bad option is bad input (exit 2) before "no store there"
         if not os.path.isdir(path):
             raise NotFoundError(f"{path}: no store directory there (a read-only command creates nothing); "
                                 "pass the directory the run was saved to")

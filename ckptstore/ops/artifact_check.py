@@ -4,8 +4,13 @@
 refuses files it does not list, checks the index and re-derives the tensor
 digest from the weight files; with the store it also checks that the save
 the provenance names is complete, verifies, and holds exactly the
-artifact's tensors; with a key it checks the provenance's tag. Every read is
-bounded (the provenance by :data:`MAX_PROVENANCE`, each file by its declared size).
+artifact's tensors and config files, and compares every field the run's
+records determine (:mod:`.provenance`), reporting which fields it confirmed
+and which rest on the provenance alone; with a key it checks the
+provenance's tag. Every read is bounded (the provenance by
+:data:`MAX_PROVENANCE`, each file by its declared size), and a local
+artifact is read through :class:`~.artifact_dir.ArtifactDir` (no link
+followed, no FIFO or other special file opened for reading).
 """
 
 from __future__ import annotations
@@ -231,8 +236,8 @@ def _verify(reader: _Reader, location: str, store: CheckpointStore | None, keyri
         if on_file is not None:
             on_file(name, size)
         if size != f["size"]:
-            more = "more than " if size > f["size"] else ""
-            rep.problems.append(f"{name}: {more}{size} bytes, the provenance says {f['size']}")
+            got = f"more than {f['size']}" if size > f["size"] else str(size)  # the read stops at size + 1
+            rep.problems.append(f"{name}: {got} bytes, the provenance says {f['size']}")
         elif digest != f["blake3"]:
             rep.problems.append(f"{name}: BLAKE3 {digest[:16]}…, the provenance says {str(f['blake3'])[:16]}…")
     if rep.problems:

@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 from typing import Any
+from urllib.parse import urlparse
 
+from ..backends.base import Backend
+from ..backends.local import local_backend_options
+from ..backends.schemes import backend_from_url
 from ..defaults import BUDGET_GPU_HOURS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
-from ..errors import ExtraRequiredError, InvalidInputError
+from ..errors import ExtraRequiredError, InvalidInputError, NotFoundError
 from ..ops.budget import MIN_STEP_SECONDS
 from ..store import CheckpointStore
 from .output import parse_options
@@ -31,15 +35,28 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def read_only_backend(url: str, storage_options: dict[str, Any] | None) -> Backend:
+    """The backend of a store a command only reads. A local directory must
+    exist: a read-only command creates nothing (a mistyped path is
+    :class:`NotFoundError`, not a new empty store directory)."""
+    if "://" not in url or url.startswith("file://"):
+        path = urlparse(url).path if url.startswith("file://") else url
+        local_backend_options(storage_options)  # a bad option is bad input (exit 2) before "no store there"
+        if not os.path.isdir(path):
+            raise NotFoundError(f"{path}: no store directory there (a read-only command creates nothing); "
+                                "pass the directory the run was saved to")
+    return backend_from_url(url, storage_options=storage_options)
+
+
 def open_store(args: argparse.Namespace, *, default_policy: str = "off") -> CheckpointStore:
     from ..core.record_auth import load_keyring
 
     key_file = getattr(args, "auth_key_file", None)
     policy = getattr(args, "auth_policy", None) or ("warn" if key_file and default_policy == "off" else default_policy)
     keyring = load_keyring(key_file=key_file) if policy != "off" else None
+    backend = read_only_backend(args.url, parse_options(getattr(args, "storage_option", None)))
     return CheckpointStore.open(
-        args.url, args.run, mode="r", storage_options=parse_options(getattr(args, "storage_option", None)),
-        auth_policy=policy, keyring=keyring, local_tier=getattr(args, "local_tier", None),
+        backend, args.run, mode="r", auth_policy=policy, keyring=keyring, local_tier=getattr(args, "local_tier", None),
     )
 
 

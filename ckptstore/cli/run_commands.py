@@ -9,7 +9,7 @@ from ..errors import CkptStoreError
 from ..store import CheckpointStore
 from ..util.redact import redact_text
 from ..util.terminal import sanitize
-from .common import budget_from_args, check_output_file, human_bytes, open_store, require_extra
+from .common import budget_from_args, check_output_file, human_bytes, open_store, read_only_backend, require_extra
 from .output import emit, esc, parse_options
 
 
@@ -101,8 +101,8 @@ def cmd_verify_artifact(args: argparse.Namespace) -> int:
         except CkptStoreError as exc:
             emit(args, {"ok": False, "problems": [str(exc)]}, f"ARTIFACT INVALID: {esc(str(exc))}")
             return 1
-        store = CheckpointStore.open(args.store, run_id, mode="r", storage_options=parse_options(args.store_option),
-                                     auth_policy=policy, keyring=keyring)
+        store = CheckpointStore.open(read_only_backend(args.store, parse_options(args.store_option)), run_id,
+                                     mode="r", auth_policy=policy, keyring=keyring)
     with progress("verify artifact", 0, quiet=args.json) as bar:
         rep = verify_artifact(args.dir, store=store, keyring=keyring, require_auth=policy == "require",
                               storage_options=opts, on_file=lambda name, n: bar.advance(n, label=name))
@@ -113,6 +113,11 @@ def cmd_verify_artifact(args: argparse.Namespace) -> int:
                 + ("; the store's save is complete, verifies and holds exactly these tensors" if rep.checked_store
                    else " (pass --store URL to check them against the save)")
                 + ("; provenance authenticated" if rep.authenticated else ""))
+        if rep.confirmed:
+            text += "\n  confirmed by the store's records: " + ", ".join(rep.confirmed)
+        if rep.unconfirmed:
+            text += ("\n  unconfirmed (the provenance's word only" + ("" if rep.checked_store else "; pass --store")
+                     + "): " + esc(", ".join(rep.unconfirmed)))
     else:
         text = "ARTIFACT INVALID:\n" + "\n".join(f"  - {esc(x)}" for x in rep.problems)
     emit(args, rep.to_json(), text)

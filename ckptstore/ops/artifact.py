@@ -21,8 +21,9 @@ items, consolidated from every rank's chunks one tensor at a time: at most
 one shard is held in memory, never the whole model twice). Every byte read
 from the store is verified (BLAKE3) before it is used.
 
-Verification is :mod:`.artifact_check`. Publication is atomic: a local artifact is written into a hidden sibling
-directory, fsynced, then renamed to its final name (which must not exist);
+Verification is :mod:`.artifact_check`. Publication is atomic: a local artifact is written into a private
+hidden sibling directory held by descriptor, fsynced, then renamed to its final name (which must not exist),
+checked to be the directory created, and only then given its published modes (:mod:`.artifact_dir`);
 on an object store (``s3://``, ``gs://``, ``memory://``) the files are put
 first and ``provenance.json`` is created last, exclusively: an artifact
 without its provenance is not an artifact (:func:`~.artifact_check.verify_artifact` refuses it).
@@ -31,9 +32,6 @@ without its provenance is not an artifact (:func:`~.artifact_check.verify_artifa
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +45,7 @@ from ..errors import CorruptionError, InvalidInputError
 from ..protocol import canonical_json
 from ..protocol.auth import Keyring
 from ..torch.safetensors_io import DTYPE_TO_ST, safetensors_stream
+from .artifact_dir import NewArtifactDir
 from .weights import ModelSource, TensorSource
 
 FORMAT = "ckptstore.artifact/1"
@@ -100,9 +99,12 @@ def shard_names(n: int) -> list[str]:
 
 
 class Sink:
-    """Where an artifact is written: files first, :meth:`publish` last."""
+    """Where an artifact is written: files first, :meth:`publish` last.
+    ``published_id`` is the (st_dev, st_ino) of a local artifact's directory
+    once published (None on an object store)."""
 
     location: str
+    published_id: tuple[int, int] | None = None
 
     def write(self, name: str, chunks: Iterable[Any]) -> tuple[int, str]:
         raise NotImplementedError
@@ -115,49 +117,30 @@ class Sink:
 
 
 class LocalSink(Sink):
-    """A hidden sibling directory renamed to ``path`` once complete."""
+    """A private hidden sibling directory, held by descriptor, renamed to
+    ``path`` once complete (:class:`~.artifact_dir.NewArtifactDir`: nothing is
+    written through a link or into a directory this process did not create,
+    and the published directory is checked to be the one created).
+    ``on_stage`` is :class:`~.artifact_dir.NewArtifactDir`'s fault point."""
 
-    def __init__(self, path: str) -> None:
-        self.location = self.path = os.path.abspath(path)
-        if os.path.lexists(self.path):
-            raise InvalidInputError(f"{self.path} already exists: an artifact is never overwritten")
-        parent = os.path.dirname(self.path)
-        if not os.path.isdir(parent):
-            raise InvalidInputError(f"{parent}: the artifact's parent directory does not exist")
-        self.tmp = os.path.join(parent, f".{os.path.basename(self.path)}.partial-{uuid.uuid4().hex[:12]}")
-        os.mkdir(self.tmp, 0o755)
+    def __init__(self, path: str, *, on_stage: Callable[[str], None] | None = None) -> None:
+        self.dir = NewArtifactDir(path, on_stage=on_stage)
+        self.location = self.path = self.dir.path
+        self.tmp = self.dir.tmp
 
     def write(self, name: str, chunks: Iterable[Any]) -> tuple[int, str]:
-        h, size = blake3.blake3(), 0
-        fd = os.open(os.path.join(self.tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                     0o644)
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                h.update(c)
-                f.write(c)
-                size += len(memoryview(c).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        return size, h.hexdigest()
+        return self.dir.write(name, chunks)
 
     def publish(self, provenance: bytes) -> None:
-        self.write(PROVENANCE, [provenance])
-        _fsync_dir(self.tmp)
-        if os.path.lexists(self.path):
-            raise InvalidInputError(f"{self.path} appeared while the artifact was written; left at {self.tmp}")
-        os.rename(self.tmp, self.path)
-        _fsync_dir(os.path.dirname(self.path))
+        self.dir.write(PROVENANCE, [provenance])
+        self.published_id = self.dir.publish()
+        self.dir.close()  # on a failure write_artifact calls abort, which closes it
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            self.dir.abort()
+        finally:
+            self.dir.close()
 
 
 class BackendSink(Sink):

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CkptStoreError, NotFoundError, PromotionRefusedError
+from ..errors import CkptStoreError, CorruptionError, NotFoundError, PromotionRefusedError
 from ..protocol.auth import AuthPolicy
 from ..protocol.selection import SaveRef
 from ..store import CheckpointStore
@@ -42,6 +42,7 @@ from ..util.redact import redact_url
 from .artifact import DEFAULT_SHARD_BYTES, sink_for, write_artifact
 from .artifact_check import ArtifactReport, verify_artifact
 from .budget import Budget
+from .provenance import final_step, record_fields
 from .report import build_record
 from .weights import ModelSource, TensorSource, model_source
 
@@ -103,8 +104,7 @@ def promotion_check(
             return PromotionCheck(store.run_id, None, [f"unauthenticated records under auth_policy=require: {exc}"],
                                   None)
         raise
-    final = rec.get("final")
-    final_step = int(final["steps"]) - 1 if isinstance(final, Mapping) and type(final.get("steps")) is int else None
+    last_step = final_step(rec)
     p = rec["promotion"]
     if not p["eligible"]:
         reasons += [r for r in p["reasons"] if step is None or not r.startswith(_FINAL_ONLY)]
@@ -130,8 +130,8 @@ def promotion_check(
         except (NotFoundError, CkptStoreError) as exc:
             reasons.append(f"step {step}: no complete save ({exc})")
         if ref is not None:
-            if step != final_step and not (reason and reason.strip()):
-                reasons.append(f"step {step} is not the run's final step ({final_step}): say why with a reason "
+            if step != last_step and not (reason and reason.strip()):
+                reasons.append(f"step {step} is not the run's final step ({last_step}): say why with a reason "
                                "(it is recorded in the provenance)")
             if lc is None or (ref.step, ref.attempt) != (lc["step"], lc["attempt"]):
                 vr = store.verify(ref, deep=True)
@@ -144,7 +144,7 @@ def promotion_check(
             source = model_source(store, ref)
         except CkptStoreError as exc:
             reasons.append(f"step {ref.step}: its model weights cannot be read: {str(exc)[:400]}")
-    return PromotionCheck(store.run_id, ref, reasons, rec, final_step, source)
+    return PromotionCheck(store.run_id, ref, reasons, rec, last_step, source)
 
 
 def _identity_refusals(store: CheckpointStore) -> list[str]:
@@ -161,29 +161,18 @@ def _identity_refusals(store: CheckpointStore) -> list[str]:
 
 
 def provenance_of(store: CheckpointStore, check: PromotionCheck, *, reason: str | None = None) -> dict[str, Any]:
-    """The provenance fields that come from the run: IDs, identity, eval metrics, attempts, budget line."""
+    """The provenance fields that come from the run: IDs, identity, eval metrics, attempts, budget line
+    (:func:`~.provenance.record_fields`, the fields verification re-derives from the store)."""
     assert check.ref is not None and check.record is not None
-    rec, ref = check.record, check.ref
-    final = rec.get("final") or {}
+    ref = check.ref
     return {
         "run_id": store.run_id,
         "save_id": ref.save_id,
         "step": ref.step,
         "attempt": ref.attempt,
         "manifest_digest": ref.manifest_digest,
-        "final_step": check.final_step,
+        **record_fields(store, check.record),
         "store": redact_url(store.backend.url),
-        "identity": rec["identity"],
-        "identity_digest": store.identity_digest,
-        "lineage": rec.get("lineage"),
-        "eval_metrics": {k: v for k, v in sorted(final.items()) if k.startswith("eval_")},
-        "attempts": [{k: a.get(k) for k in ("attempt", "resumed_from", "ended", "last_step", "executed_steps",
-                                             "wasted_steps")} for a in rec["attempts"]],
-        "interruptions": rec["interruptions"],
-        "restarts": rec["restarts"],
-        "budget": {"limit_gpu_hours": rec["budget"]["limit_gpu_hours"], "spent_gpu_hours": rec["spent_gpu_hours"],
-                   "wasted_gpu_hours": rec["wasted_gpu_hours"],
-                   "remaining_gpu_hours": rec["budget_remaining_gpu_hours"], "stopped": rec["budget_stopped"]},
         "reason": reason,
         "promoted_at": round(time.time(), 3),
         "promoted_on": platform.node()[:200],
@@ -206,7 +195,11 @@ def promote(
     """Check, write, verify (and register). Raises :class:`PromotionRefusedError`
     with every reason when the run is not promotable (nothing written), and
     :class:`~ckptstore.CorruptionError` when the written artifact does not
-    verify against the store (it is removed again when local)."""
+    verify against the store, or a local one is not the directory it created
+    (left in place, named in the message, for inspection). A local target's
+    temporary directory replaced while the artifact is written is
+    :class:`~ckptstore.InvalidInputError` and nothing is published
+    (:mod:`.artifact_dir`)."""
     t0 = time.monotonic()
     check = check or promotion_check(store, budget=budget, step=step, reason=reason)
     if not check.promotable:
@@ -220,10 +213,12 @@ def promote(
     rep = verify_artifact(written.location, store=store, keyring=keyring,
                           require_auth=store.auth_policy is AuthPolicy.REQUIRE, storage_options=storage_options)
     if not rep.ok:
-        from ..errors import CorruptionError
-
         raise CorruptionError(f"the artifact written at {redact_url(written.location)} does not verify: "
                               + "; ".join(rep.problems))
+    if sink.published_id is not None and rep.directory_id != sink.published_id:
+        raise CorruptionError(f"{written.location} is no longer the directory this promotion published (it was "
+                              "replaced after the rename): the artifact there was not written by it; remove it and "
+                              "promote into a directory only you can write")
     out = Promotion(written.location, check.ref, written.files, written.provenance, rep)
     if register is not None:
         out.registered = register(out)  # only after the artifact verified

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 from .backends.base import Backend
 from .core.binding import bind_identity, read_identity, read_run_record
@@ -30,7 +31,7 @@ from .core.resume_point import resume_point
 from .core.signing import SignReport, sign_run
 from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
 from .defaults import DEFAULT_GRACE_SECONDS
-from .errors import CkptStoreError, InvalidInputError, NotFoundError, StoreUnavailableError
+from .errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError, StoreUnavailableError
 from .identity import RunIdentity, identity_digest, normalize_identity
 from .protocol import (
     AttemptRecord,
@@ -44,7 +45,7 @@ from .protocol import (
 )
 from .protocol.auth import AuthPolicy, Keyring
 from .protocol.records import PieceRef
-from .protocol.selection import SaveInfo, SaveRef, Selection
+from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from .retry import RetryPolicy
 from .tiers.replicator import ReplicationStatus
 from .tiers.tiered import TierSet
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 ResumeFrom = int | None | Literal["latest"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,12 @@ class OpenOptions:
     tier_rank: int | None = None
     #: the coordinator of such a job: what every other rank holds verified locally (the resume decision)
     tier_peers: Mapping[int, Mapping[str, Any]] | None = None
+
+
+def _listed(head: str, items: Sequence[str], limit: int = 8) -> str:
+    """``head: a; b; ... (N more)``: a message with at most ``limit`` reasons shown."""
+    shown = "; ".join(items[:limit]) + (f"; ... ({len(items) - limit} more)" if len(items) > limit else "")
+    return f"{head}: {shown}" if items else head
 
 
 class CheckpointStore:
@@ -605,6 +613,62 @@ class CheckpointStore:
             "to_step": to.step if to else None, "to_save_id": to.save_id if to else None,
             "attempt": self.attempt.number, "reasons": [r[:1000] for r in reasons[:20]],
         })
+
+    def read_resume_point(
+        self, ref: SaveRef, read: Callable[[SaveRef], T], check: Callable[[T, SaveRef], None] | None = None
+    ) -> tuple[T, SaveRef]:
+        """Read the resume point ``ref`` with ``read`` (the restore's verified
+        read). If its bytes turn out corrupt (:class:`CorruptionError`; possible
+        with ``resume_verify="cheap"``, which checks sizes only), read the newest
+        older complete save instead, then the next, until one reads back intact:
+        that one becomes the resume point by :meth:`fall_back` (a new attempt,
+        ``resume-fallback`` recorded with every reason, an
+        :class:`RuntimeWarning`). No intact save: :class:`CorruptionError`
+        listing every reason. ``check(value, ref)`` runs on what was chosen; its
+        error is raised (never a reason to fall back). Returns (value, the save
+        it came from). The Checkpointer's contract
+        (:class:`ckptstore.torch.contract.CheckpointerStore`; on many ranks,
+        ``RankStore`` decides the same for every rank)."""
+        try:
+            value, chosen = read(ref), ref
+        except CorruptionError as exc:
+            value, chosen = self._fall_back_reading(ref, read, [f"step {ref.step} ({ref.save_id}): {exc}"])
+        if check is not None:
+            check(value, chosen)
+        return value, chosen
+
+    def _fall_back_reading(self, ref: SaveRef, read: Callable[[SaveRef], T], failures: list[str]) -> tuple[T, SaveRef]:
+        candidates = [
+            i.ref for i in self.list_saves()
+            if i.state is SaveState.COMMITTED and i.ref is not None and (i.step, i.attempt) < (ref.step, ref.attempt)
+        ]
+        for cand in candidates:
+            try:
+                value = read(cand)
+            except CorruptionError as exc:
+                failures.append(f"step {cand.step} ({cand.save_id}): {exc}")
+                continue
+            self.fall_back(cand, failures)  # a new attempt: the corrupt save leaves the run's history
+            warnings.warn(_listed(
+                f"resume point step {ref.step} is corrupt; resuming from step {cand.step} instead "
+                f"(attempt {self.attempt.number if self.attempt else '?'} registered)", failures),
+                RuntimeWarning, stacklevel=5)
+            return value, cand
+        raise CorruptionError(_listed(f"run {self.run_id!r}: no complete save could be read back intact", failures))
+
+    def agree_preemption(self, flag: bool) -> bool:
+        """The job's preemption flag: one process is its own job, so ``flag``
+        (the Checkpointer's contract; on many ranks ``RankStore`` agrees it)."""
+        return flag
+
+    def alert(self) -> None:
+        """A termination signal arrived: nothing to do, no peer is waited for (the Checkpointer's contract)."""
+
+    def abandon(self) -> bool:
+        """This process is leaving: False, no save of this store waits for
+        another process (the Checkpointer's contract: its saves in flight at exit
+        are waited for)."""
+        return False
 
     def leftovers(self, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> tuple[list[str], list[str]]:
         """What killed writers left behind (temporary files, unfinished

@@ -42,6 +42,7 @@ from ..errors import (
     SaveAbortedError,
 )
 from ..identity import RunIdentity, identity_digest, normalize_identity
+from ..protocol.auth import AuthPolicy, Keyring
 from ..protocol.records import PieceRef, pieces_digest
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
@@ -49,7 +50,7 @@ from ..store import CheckpointStore
 from ..tiers.parts import local_holdings
 from .agreement import FlagAgreement, PeerLostError
 from .channel import Channel, CoordinatorLostError, RanksFailedError
-from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after
+from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after, rank_error_json
 
 #: The points of a distributed save at which an :func:`at_phase` callback runs, on the coordinator.
 PHASES = ("before_gather", "before_publish", "after_publish")
@@ -374,6 +375,9 @@ def open_distributed(
     max_replication_lag: int = 2,
     close_flush_seconds: float = 30.0,
     piece_timing: PieceTiming | None = None,
+    auth_policy: AuthPolicy | str = "off",
+    keyring: Keyring | None = None,
+    protocol_version: int | None = None,
 ) -> DistributedRun:
     """Open ``run_id`` for writing from every rank of ``group`` (collective).
 
@@ -411,6 +415,21 @@ def open_distributed(
     the coordinator re-checks every rank's deadlines and that every piece is
     present before it publishes (PROTOCOL.md §9.4).
 
+    ``auth_policy``, ``keyring``, ``protocol_version``: what they mean to
+    :meth:`CheckpointStore.open`, for every rank's store. Keys come from
+    ``keyring=`` or, when it is None, ``CKPTSTORE_AUTH_KEYS`` in each rank's
+    environment (the same on every rank). Under ``"require"`` every record
+    any rank writes carries a tag and every record any rank reads is
+    verified (the coordinator's commit records, the attempt a member joins,
+    the local-tier records each rank holds). Every rank must pass the same
+    policy, the same key IDs (the same active one) and the same
+    ``protocol_version``: the hello exchange compares them (the keys
+    themselves never leave a rank) and a mismatch, or a rank that cannot
+    use its choice (``"require"`` without a key), is refused on every rank
+    with an :class:`InvalidInputError` that names the rank and the fix.
+    ``protocol_version=3`` creates a version-3 run (pieces) with the job's
+    one attempt; an existing run keeps its own version.
+
     Every rank must make the same collective calls (open, each ``save``) in
     the same order, from one thread at a time.
     """
@@ -418,14 +437,15 @@ def open_distributed(
     try:
         tiers = None if local_tier is None else _TierArgs(local_tier, local_keep, replicate_every,
                                                           max_replication_lag, close_flush_seconds)
-        args = _OpenArgs(url, run_id, _identity_dict(identity), timeout, save_timeout, storage_options, resume_from,
-                         resume_verify, reshard, retry, piece_timing or PieceTiming(), tiers)
         tag = ch.next()
-        hello: dict[str, Any] = {"identity_digest": identity_digest(args.identity)}
-        if tiers is not None and not ch.is_coordinator:
+        auth, hello = _rank_choices(ch.rank, auth_policy, keyring, protocol_version)
+        args = _OpenArgs(url, run_id, _identity_dict(identity), timeout, save_timeout, storage_options, resume_from,
+                         resume_verify, reshard, retry, piece_timing or PieceTiming(), tiers, auth, protocol_version)
+        hello["identity_digest"] = identity_digest(args.identity)
+        if tiers is not None and not ch.is_coordinator and "error" not in hello:
             # what this rank holds verified in its own local tier, for the coordinator's resume decision
             held, why = local_holdings(tiers.root, args.run_id, ch.rank,
-                                       identity_digest(args.identity), RecordAuth("off", None))
+                                       identity_digest(args.identity), auth)
             hello["local"] = {"held": held, "reasons": why[:20]}
         ch.post(tag, "hello", hello)
         if ch.is_coordinator:
@@ -468,7 +488,66 @@ class _OpenArgs:
     reshard: bool
     retry: RetryPolicy | None
     piece_timing: PieceTiming
-    tiers: _TierArgs | None = None
+    tiers: _TierArgs | None
+    auth: RecordAuth
+    protocol_version: int | None
+
+    def store_options(self) -> dict[str, Any]:
+        """:meth:`CheckpointStore.open` keywords every rank's store shares (the keys resolved once, here)."""
+        return {"storage_options": self.storage_options, "retry": self.retry, "piece_timing": self.piece_timing,
+                "auth_policy": self.auth.policy, "keyring": self.auth.keyring,
+                "protocol_version": self.protocol_version}
+
+
+#: the choices every rank of a job must make alike, as the hello names them
+_CHOICES = ("auth_policy", "signing_key", "key_ids", "protocol_version")
+
+
+def _rank_choices(
+    rank: int, policy: AuthPolicy | str, keyring: Keyring | None, protocol_version: int | None
+) -> tuple[RecordAuth, dict[str, Any]]:
+    """This rank's authentication (its keys from ``keyring`` or its environment)
+    and the hello that tells the coordinator its choices: the policy, the key
+    IDs (never a key) and the protocol version. A choice this rank cannot use
+    is not raised here but carried in the hello (``"error"``), so the
+    coordinator refuses it on every rank instead of leaving the others waiting."""
+    try:
+        auth = RecordAuth(policy, keyring)
+    except CkptStoreError as exc:
+        return RecordAuth("off", None), {"error": rank_error_json(rank, exc), "choices": None}
+    ring = auth.keyring if auth.policy is not AuthPolicy.OFF else None
+    choices = {"auth_policy": auth.policy.value, "signing_key": ring.active if ring is not None else None,
+               "key_ids": ring.key_ids if ring is not None else [], "protocol_version": protocol_version}
+    return auth, {"choices": choices}
+
+
+def _check_hellos(run_id: str, rank: int, hellos: Mapping[int, Mapping[str, Any]], a: _OpenArgs) -> None:
+    """The coordinator (``rank``): every rank said hello with the same identity and
+    the same choices (:data:`_CHOICES`) as its own, else one error for every rank."""
+    for _, h in sorted(hellos.items(), key=lambda kv: (kv[0] != rank, kv[0])):  # its own problem first
+        if isinstance(h.get("error"), dict):
+            raise error_from_json(dict(h["error"]))
+    mine = hellos[rank]
+    hellos = {r: h for r, h in hellos.items() if r != rank}
+    digest = identity_digest(a.identity)
+    other = sorted(r for r, h in hellos.items() if h.get("identity_digest") != digest)
+    if other:
+        raise InvalidInputError(
+            f"run {run_id!r}: rank(s) {', '.join(map(str, other))} opened it with another identity than rank {rank}"
+        )
+    ours = dict(mine.get("choices") or {})
+    differ = []
+    for r, h in sorted(hellos.items()):
+        theirs = dict(h.get("choices") or {})
+        for k in _CHOICES:
+            if theirs.get(k) != ours.get(k):
+                differ.append(f"rank {r} has {k}={theirs.get(k)!r}, rank {rank} {ours.get(k)!r}")
+    if differ:
+        raise InvalidInputError(
+            f"run {run_id!r}: the ranks opened it with different choices ({'; '.join(differ[:8])}); every rank "
+            "must pass open_distributed the same auth_policy, protocol_version and keys (keyring=..., or the same "
+            "CKPTSTORE_AUTH_KEYS in every rank's environment). Nothing was opened"
+        )
 
 
 def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
@@ -480,17 +559,11 @@ def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
     try:
         # tiered: each rank re-hashes its newest local parts before it says hello (bounded like a save)
         hellos = ch.gather(tag, "hello", timeout=a.timeout + a.save_timeout if a.tiers is not None else None)
-        mine = identity_digest(a.identity)
-        other = sorted(r for r, h in hellos.items() if h.get("identity_digest") != mine)
-        if other:
-            raise InvalidInputError(
-                f"run {a.run_id!r}: rank(s) {', '.join(map(str, other))} opened it with another identity than rank 0"
-            )
+        _check_hellos(a.run_id, ch.rank, hellos, a)
         peers = {r: dict(h.get("local") or {}) for r, h in sorted(hellos.items()) if r != ch.rank}
         store, resharded = _coordinator_open(
-            a.url, a.run_id, a.identity, ch.world_size, storage_options=a.storage_options, resume_from=a.resume_from,
-            resume_verify=a.resume_verify, reshard=a.reshard, retry=a.retry, piece_timing=a.piece_timing,
-            tiered=a.tiers.options(0, peers) if a.tiers is not None else {},
+            a.url, a.run_id, a.identity, ch.world_size, resume_from=a.resume_from, resume_verify=a.resume_verify,
+            reshard=a.reshard, shared=a.store_options(), tiered=a.tiers.options(0, peers) if a.tiers is not None else {},
         )
         assert store.attempt is not None
         outcome: dict[str, Any] = {
@@ -533,8 +606,7 @@ def _open_as_member(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
     try:
         member = CheckpointStore.open(
             a.url, a.run_id, identity=outcome["identity"], join_attempt=int(outcome["attempt"]),
-            storage_options=a.storage_options, retry=a.retry, piece_timing=a.piece_timing,
-            **(a.tiers.options(ch.rank, None) if a.tiers is not None else {}),
+            **a.store_options(), **(a.tiers.options(ch.rank, None) if a.tiers is not None else {}),
         )
         if outcome["resumed_from"] is not None and member.resumed_from is None:
             # the coordinator's tier decision holds on every rank (all ranks local, or all durable)
@@ -561,14 +633,14 @@ def _coordinator_open(
     ident: dict[str, Any],
     world_size: int,
     *,
-    storage_options: Mapping[str, Any] | None,
     resume_from: int | None | Literal["latest"],
     resume_verify: Literal["deep", "cheap"],
     reshard: bool,
-    retry: RetryPolicy | None,
+    shared: Mapping[str, Any],
     tiered: Mapping[str, Any],
-    piece_timing: PieceTiming,
 ) -> tuple[CheckpointStore, dict[str, Any] | None]:
+    """The coordinator's store: the run bound (or created, at ``shared["protocol_version"]``)
+    and the job's one attempt registered. ``shared``: :meth:`_OpenArgs.store_options`."""
     want = ident.get("world_size")
     if want is not None and want != world_size:
         raise WorldSizeMismatchError(
@@ -577,10 +649,9 @@ def _coordinator_open(
 
     def _open(identity: dict[str, Any]) -> CheckpointStore:
         return CheckpointStore.open(
-            url, run_id, identity=identity, storage_options=storage_options, resume_from=resume_from,
-            retry=retry, resume_verify=resume_verify, single_writer=True,  # the job's one coordinator
-            **tiered,
-            piece_timing=piece_timing,
+            url, run_id, identity=identity, resume_from=resume_from, resume_verify=resume_verify,
+            single_writer=True,  # the job's one coordinator
+            **shared, **tiered,
         )
 
     resharded: dict[str, Any] | None = None

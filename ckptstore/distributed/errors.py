@@ -46,6 +46,13 @@ def error_to_json(exc: BaseException) -> dict[str, Any]:
     return out
 
 
+def rank_error_json(rank: int, exc: BaseException) -> dict[str, Any]:
+    """``exc`` as JSON, its message naming the rank it happened on (the other ranks raise it)."""
+    out = error_to_json(exc)
+    out["message"] = f"rank {rank}: {out['message']}"
+    return out
+
+
 def error_from_json(d: dict[str, Any]) -> E.CkptStoreError:
     t, msg = str(d.get("type", "")), str(d.get("message", ""))
     if t == "IdentityMismatchError":

@@ -14,10 +14,10 @@ for all ranks or none. Per-rank RNG streams and data positions therefore
 resume exactly. Replicated state (a DDP model and optimizer) is written by
 every rank — W copies; use the DCP writer to write it once, sharded.
 
-The view quacks like the parts of :class:`CheckpointStore` the adapter uses
-(``mode``, ``resumed_from``, ``save``, ``read``, ``iter_read``,
-``record_event``, ``gc``). Saves are collective: every rank must save the same
-steps in the same order (a preemption signal must reach every rank).
+The view implements the Checkpointer's typed contract,
+:class:`ckptstore.torch.contract.CheckpointerStore` (checked by ``mypy --strict``
+below, as :class:`CheckpointStore` is). Saves are collective: every rank must
+save the same steps in the same order (a preemption signal must reach every rank).
 
 Decided once, by the coordinator, for all ranks:
 
@@ -41,15 +41,16 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from .. import protocol as P
 from ..core.collector import GcReport
 from ..errors import CkptStoreError, CorruptionError
 from ..protocol.selection import SaveRef, SaveState
 from ..store import DEFAULT_GRACE_SECONDS, CheckpointStore
+from ..torch.contract import CheckpointerStore
 from .coordinator import DistributedRun, DistributedSave
-from .errors import WorldSizeMismatchError, error_from_json, error_to_json
+from .errors import WorldSizeMismatchError, error_from_json, error_to_json, rank_error_json
 
 T = TypeVar("T")
 
@@ -103,6 +104,17 @@ class RankStore:
     def resumed_from(self) -> SaveRef | None:
         return self.run.resumed_from
 
+    @property
+    def attempt(self) -> P.AttemptRecord | None:
+        """The job's attempt, which every rank joined (after a collective
+        fallback: the one the coordinator registered for it)."""
+        return self.run.store.attempt
+
+    def events(self) -> list[dict[str, Any]]:
+        """The job's ledger (one for all ranks, appended to by the coordinator), oldest first;
+        every rank may read it (the Checkpointer's metrics do)."""
+        return self.run.store.events()
+
     def save(
         self, step: int, *, metadata: Mapping[str, Any] | None = None, expect: Sequence[str] | None = None
     ) -> _RankSave:
@@ -150,9 +162,11 @@ class RankStore:
         """A termination signal arrived: give up on silent peers within seconds (:meth:`Channel.alert`)."""
         self.run.channel.alert()
 
-    def abandon(self) -> None:
-        """This process is leaving: end every wait for other ranks (:meth:`Channel.abandon`)."""
+    def abandon(self) -> bool:
+        """This process is leaving: end every wait for other ranks (:meth:`Channel.abandon`).
+        True: this store's saves wait for other ranks (the Checkpointer's contract)."""
         self.run.channel.abandon()
+        return True
 
     def record_event(self, kind: str, payload: Mapping[str, Any]) -> str:
         """The ledger is the job's: only the coordinator appends to it."""
@@ -206,13 +220,13 @@ class RankStore:
                 mine = {"ok": False, "corrupt": f"rank {run.rank}: step {cand.step} ({cand.save_id}): {exc}"}
             except Exception as exc:  # noqa: BLE001 - told to every rank, raised everywhere
                 own = exc
-                mine = {"ok": False, "error": _error_of(run.rank, exc)}
+                mine = {"ok": False, "error": rank_error_json(run.rank, exc)}
             if result and check is not None:
                 try:
                     check(result[0], cand)
                 except Exception as exc:  # noqa: BLE001 - a misfit is no corruption: raised everywhere
                     own = exc
-                    mine = {"ok": False, "error": _error_of(run.rank, exc)}
+                    mine = {"ok": False, "error": rank_error_json(run.rank, exc)}
             tag = ch.next()
             ch.post(tag, "verified", mine)
             if ch.is_coordinator:
@@ -302,13 +316,6 @@ class RankStore:
         return ref
 
 
-def _error_of(rank: int, exc: BaseException) -> dict[str, Any]:
-    """``exc`` as JSON, its message naming the rank (the other ranks raise it)."""
-    out = error_to_json(exc)
-    out["message"] = f"rank {rank}: {out['message']}"
-    return out
-
-
 def _ref_to_json(ref: SaveRef) -> dict[str, Any]:
     return {"step": ref.step, "attempt": ref.attempt, "save_id": ref.save_id, "manifest_digest": ref.manifest_digest}
 
@@ -316,3 +323,8 @@ def _ref_to_json(ref: SaveRef) -> dict[str, Any]:
 def _summary(head: str, items: Sequence[str], limit: int = 8) -> str:
     shown = "; ".join(items[:limit]) + (f"; ... ({len(items) - limit} more)" if len(items) > limit else "")
     return f"{head}: {shown}" if items else head
+
+
+if TYPE_CHECKING:  # mypy --strict checks that both stores keep the Checkpointer's contract
+    _RANK_STORE: type[CheckpointerStore] = RankStore
+    _ONE_STORE: type[CheckpointerStore] = CheckpointStore

@@ -73,6 +73,7 @@ from .. import (
 )
 from . import retention
 from .codec import flatten
+from .contract import CheckpointerStore
 from .inflight import SaveQueue
 from .loaders import (
     ResumableLoader,
@@ -121,7 +122,7 @@ class ConfigChangeWarning(UserWarning):
 
 
 def _check_choices(
-    store: CheckpointStore, every_steps: int | None, every_seconds: float | None, keep_last: int | None,
+    store: CheckpointerStore, every_steps: int | None, every_seconds: float | None, keep_last: int | None,
     keep_every: int | None, on_config_change: str, max_inflight: int, preempt_exit_code: int,
 ) -> None:
     """Refuse a Checkpointer's unusable choices (:class:`InvalidInputError`) before anything is built."""
@@ -224,12 +225,12 @@ class Checkpointer:
         except BaseException:
             store.close()
             raise
-        ckpt._owns_store = True
+        ckpt._owned_store = store
         return ckpt
 
     def __init__(
         self,
-        store: CheckpointStore,
+        store: CheckpointerStore,
         objects: Mapping[str, Any],
         *,
         every_steps: int | None = None,
@@ -251,8 +252,11 @@ class Checkpointer:
         metrics_path: str | None = None,
         preempt_flush_seconds: float = 60.0,
     ) -> None:
-        """Build on ``store`` (opened for writing). Every choice is checked
-        here, and every object validated, before anything else happens."""
+        """Build on ``store``, opened for writing: a :class:`CheckpointStore`, or on
+        many ranks a :class:`ckptstore.distributed.RankStore` — any store that keeps
+        the typed contract :class:`~ckptstore.torch.contract.CheckpointerStore`
+        (the only members called). Every choice is checked here, and every
+        object validated, before anything else happens."""
         _check_choices(store, every_steps, every_seconds, keep_last, keep_every, on_config_change, max_inflight,
                        preempt_exit_code)
         if metrics_path is not None and not str(metrics_path).endswith(".prom"):
@@ -286,7 +290,7 @@ class Checkpointer:
         self.model = model or next((o for o in self.objects.values() if hasattr(o, "named_parameters")), None)
         self.max_inflight = max_inflight
         self._start_saving()
-        self._owns_store = False  # True when built by open(): close() closes the store too
+        self._owned_store: CheckpointStore | None = None  # built by open(): close() closes the store too
         self._preempted = threading.Event()
         self._old_handlers: dict[int, Any] = {}
         if handle_signals:
@@ -296,7 +300,7 @@ class Checkpointer:
         """The host buffers, the background queue and the save bookkeeping."""
         self._buffers = HostBuffers()
         self._queue: SaveQueue | None = (
-            SaveQueue(self.max_inflight, self._buffers, abandon=getattr(self.store, "abandon", None))
+            SaveQueue(self.max_inflight, self._buffers, abandon=self.store.abandon)
             if self.async_save else None
         )
         self._retain_lock = threading.Lock()
@@ -341,14 +345,11 @@ class Checkpointer:
     # ------------------------------------------------------------ signals
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._preempted.set()
-        alert = getattr(self.store, "alert", None)  # many ranks: give up on silent peers within seconds
-        if alert is not None:
-            alert()
+        self.store.alert()  # many ranks: give up on silent peers within seconds
 
     def _agreed_preemption(self) -> bool:
         """This rank's flag, or on many ranks the job's agreed one (collective)."""
-        agree = getattr(self.store, "agree_preemption", None)
-        return self.preempted if agree is None else bool(agree(self.preempted))
+        return self.store.agree_preemption(self.preempted)
 
     @property
     def preempted(self) -> bool:
@@ -606,11 +607,10 @@ class Checkpointer:
         """On a tiered store: wait up to ``preempt_flush_seconds`` for the last
         save to become durable (on preemption and at :meth:`finish`); record
         and warn the outcome."""
-        make_durable = getattr(self.store, "make_durable", None)
-        if make_durable is None or not getattr(self.store, "tiered", False):
+        if not self.store.tiered:
             return
         t0 = time.perf_counter()
-        self.preempt_durable = bool(make_durable(self.preempt_flush_seconds))
+        self.preempt_durable = self.store.make_durable(self.preempt_flush_seconds)
         info = {"step": step, "durable": self.preempt_durable, "seconds": round(time.perf_counter() - t0, 3)}
         if self.record_events:
             self.store.record_event(event, info)
@@ -643,9 +643,9 @@ class Checkpointer:
                 except (ValueError, TypeError):
                     pass
             self._old_handlers.clear()
-            if self._owns_store:
-                self._owns_store = False
-                self.store.close()
+            owned, self._owned_store = self._owned_store, None
+            if owned is not None:
+                owned.close()
 
     def __enter__(self) -> Checkpointer:  # noqa: PYI034
         return self

@@ -4,7 +4,7 @@ the order they commit in (used by :class:`~ckptstore.torch.Checkpointer`).
 Each save runs on its own daemon thread, so a save that waits for a dead
 peer never keeps the interpreter alive. At interpreter exit the saves still
 in flight are waited for (one process: they depend on the storage only), or,
-on many ranks (``abandon`` given), their waits for other ranks are abandoned
+on many ranks (``abandon`` given and answering True), their waits for other ranks are abandoned
 and they are waited for at most :data:`EXIT_WAIT_RANKS` seconds; an abandoned
 save publishes nothing."""
 
@@ -33,7 +33,7 @@ class SaveQueue:
     concurrently but commit in the order they were queued, and the first
     background error is kept for the training thread to raise."""
 
-    def __init__(self, limit: int, first: HostBuffers, *, abandon: Callable[[], None] | None = None) -> None:
+    def __init__(self, limit: int, first: HostBuffers, *, abandon: Callable[[], bool] | None = None) -> None:
         self.limit = limit
         self.abandon = abandon
         #: buffer sets not held by a save in flight (at most ``limit`` sets ever exist)
@@ -116,9 +116,8 @@ class SaveQueue:
         """At interpreter exit: settle the saves still in flight (module docstring)."""
         if not self._items:
             return
-        if self.abandon is not None:
-            self.abandon()
-        self.wait_all(None if self.abandon is None else EXIT_WAIT_RANKS)
+        waits_for_ranks = self.abandon() if self.abandon is not None else False
+        self.wait_all(EXIT_WAIT_RANKS if waits_for_ranks else None)
 
 
 # Queues not shut down yet (their Checkpointer was not closed).

@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import (
     CheckpointStore,
-    CorruptionError,
     SaveRef,
-    SaveState,
 )
 from .bounds import component_bounds
+from .contract import CheckpointerStore
 from .loaders import is_stateful_dataloader
 from .state import (
     RNG_KEY,
@@ -380,7 +378,7 @@ def restore_state(
 
 
 def read_with_fallback(
-    store: CheckpointStore,
+    store: CheckpointerStore,
     ref: SaveRef,
     check: Callable[[SavedState, SaveRef], None] | None = None,
     objects: Mapping[str, Any] | None = None,
@@ -391,10 +389,11 @@ def read_with_fallback(
     that resumes from it (so the corrupt save leaves the run's history) and
     record why. Nothing has been applied when this returns.
 
-    On many ranks (a store with ``read_resume_point``, such as
-    :class:`ckptstore.distributed.ranked.RankStore`) the same is decided once,
-    by the coordinator, for all ranks: every rank reads its own part, and if
-    any part is corrupt every rank falls back to the same older save.
+    The decision is the store's :meth:`~ckptstore.torch.contract.CheckpointerStore.read_resume_point`:
+    one process decides alone (:meth:`CheckpointStore.read_resume_point`); on
+    many ranks (:class:`ckptstore.distributed.RankStore`) the coordinator
+    decides for all ranks: every rank reads its own part, and if any part is
+    corrupt every rank falls back to the same older save.
 
     ``check(saved, ref)`` (e.g. :func:`check_fit`) is applied to the save that
     was chosen; its error is raised (never a reason to fall back), on many
@@ -402,38 +401,4 @@ def read_with_fallback(
     each component's claimed size is bounded by what they can hold before it
     is allocated (a larger claim is corrupt)."""
     limits = component_bounds(objects) if objects is not None else None
-    collective = getattr(store, "read_resume_point", None)
-    if collective is not None:
-        return cast("tuple[SavedState, SaveRef]", collective(ref, lambda r: read_save(store, r, limits), check))
-    saved, ref = _read_with_fallback(store, ref, limits)
-    if check is not None:
-        check(saved, ref)
-    return saved, ref
-
-
-def _read_with_fallback(
-    store: CheckpointStore, ref: SaveRef, limits: Mapping[str, int] | None
-) -> tuple[SavedState, SaveRef]:
-    try:
-        return read_save(store, ref, limits), ref
-    except CorruptionError as exc:
-        failures = [f"step {ref.step} ({ref.save_id}): {exc}"]
-    candidates = [
-        i.ref for i in store.list_saves()
-        if i.state is SaveState.COMMITTED and i.ref is not None and (i.step, i.attempt) < (ref.step, ref.attempt)
-    ]
-    for cand in candidates:
-        try:
-            saved = read_save(store, cand, limits)
-        except CorruptionError as exc:
-            failures.append(f"step {cand.step} ({cand.save_id}): {exc}")
-            continue
-        store.fall_back(cand, failures)  # a new attempt: the corrupt save leaves the run's history
-        warnings.warn(summarize(
-            f"resume point step {ref.step} is corrupt; resuming from step {cand.step} instead "
-            f"(attempt {store.attempt.number if store.attempt else '?'} registered)",
-            failures), RuntimeWarning, stacklevel=4)
-        return saved, cand
-    raise CorruptionError(summarize(
-        f"run {store.run_id!r}: no complete save could be read back intact", failures
-    ))
+    return store.read_resume_point(ref, lambda r: read_save(store, r, limits), check)

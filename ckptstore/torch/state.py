@@ -40,6 +40,7 @@ from .codec import (
     tree_to_json,
     unflatten,
 )
+from .contract import CheckpointerStore
 from .loaders import is_stateful_dataloader, loader_generators
 from .tensor_read import read_tensors
 
@@ -330,7 +331,7 @@ def snapshot(
 
 
 def write_snapshot(
-    store: CheckpointStore,
+    store: CheckpointerStore,
     step: int,
     snap: Snapshot,
     *,
@@ -401,7 +402,7 @@ class SavedState:
     objects: dict[str, Any]
 
 
-def read_save(store: CheckpointStore, ref: SaveRef, limits: Mapping[str, int] | None = None) -> SavedState:
+def read_save(store: CheckpointerStore, ref: SaveRef, limits: Mapping[str, int] | None = None) -> SavedState:
     """Read and decode a save; every byte verified while reading, every record
     field checked. Hostile or damaged content is a :class:`CorruptionError`.
     ``limits``: the most bytes each entry's tensor component may claim

@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .. import CheckpointStore, SaveRef
+from .. import SaveRef
 from ..errors import CorruptionError
+from .contract import CheckpointerStore
 from .safetensors_io import tensors_from_buffer
 
 #: components read at the same time (each also keeps one hashing thread busy)
@@ -63,14 +64,14 @@ def _allocate(ref: SaveRef, comp: str, size: int, limit: int | None, entry: str)
         ) from None
 
 
-def _read_one(store: CheckpointStore, ref: SaveRef, comp: str, limit: int | None, entry: str) -> dict[str, torch.Tensor]:
+def _read_one(store: CheckpointerStore, ref: SaveRef, comp: str, limit: int | None, entry: str) -> dict[str, torch.Tensor]:
     buf = _allocate(ref, comp, store.component(ref, comp).size, limit, entry)
     store.read_into(ref, comp, buf.numpy())
     return tensors_from_buffer(buf)
 
 
 def read_tensors(
-    store: CheckpointStore, ref: SaveRef, components: Mapping[str, str], limits: Mapping[str, int] | None = None
+    store: CheckpointerStore, ref: SaveRef, components: Mapping[str, str], limits: Mapping[str, int] | None = None
 ) -> dict[str, dict[str, torch.Tensor]]:
     """``{entry: {tensor key: tensor}}`` for ``{entry: component name}``,
     every byte verified before anything is returned. ``limits``: the most

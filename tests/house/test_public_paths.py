@@ -52,6 +52,7 @@ PUBLIC = [
     "ckptstore.ops.promote",
     "ckptstore.ops.artifact",
     "ckptstore.ops.status",
+    "ckptstore.ops.artifact_check",
     "ckptstore.testing",
     "ckptstore.testing.conformance",
     "ckptstore.testing.invariants",

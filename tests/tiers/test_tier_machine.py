@@ -293,7 +293,7 @@ class TwoTiersPlanted(TwoTiers):
         self.down.clear()
         q = self.local / ".quarantine"
         if q.is_dir() and not q.is_symlink():
-            q.rename(self.local / ".quarantine-old")
+            q.rename(self.local / f".quarantine-old-{time.time_ns()}")  # a unique name: the rule may run again
         (self.local / "run").mkdir(parents=True, exist_ok=True)
         rr = self.local / "run" / "RUN.json"
         if rr.exists():

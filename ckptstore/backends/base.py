@@ -141,6 +141,11 @@ class ObjectInfo:
     size: int
     #: Last modification, seconds since the epoch (the server's clock on object stores).
     mtime: float
+    #: The stored content's version as the backend reports it, "" where it reports none: the
+    #: ETag on S3, the generation on GCS, a per-write counter in memory. Compared for equality
+    #: only, never parsed. A same-size rewrite within the server's clock resolution (SeaweedFS
+    #: lists whole seconds) keeps ``mtime`` but not ``version`` (PROTOCOL.md §9.2 "Evidence").
+    version: str = ""
 
 
 @dataclass

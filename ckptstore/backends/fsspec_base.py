@@ -265,7 +265,7 @@ class FsspecBackend(Backend):
             key = self._key(path)
             if not key.startswith(prefix):
                 continue
-            out.append(ObjectInfo(key, int(info.get("size") or 0), mtime_of(info)))
+            out.append(ObjectInfo(key, int(info.get("size") or 0), mtime_of(info), version_of(info)))
         if flat:
             out = [o for o in out if "/" not in o.key[len(prefix) :]]
         else:
@@ -322,6 +322,15 @@ class FsspecBackend(Backend):
 
     def close(self) -> None:
         pass
+
+
+def version_of(info: Mapping[str, Any]) -> str:
+    """The content version a listing entry carries ("" if none): GCS's generation, else the ETag."""
+    for k in ("generation", "ETag", "etag", "md5Hash"):
+        v = info.get(k)
+        if v not in (None, ""):
+            return str(v)
+    return ""
 
 
 def mtime_of(info: Mapping[str, Any]) -> float:

@@ -9,6 +9,7 @@ nothing survives the process.
 from __future__ import annotations
 
 import builtins
+import itertools
 import threading
 import time
 from collections.abc import Iterable
@@ -23,13 +24,15 @@ class MemoryBackend(Backend):
     def __init__(self, name: str = "") -> None:
         self.url = f"memory://{name}"
         self._lock = threading.Lock()
-        self._objects: dict[str, tuple[bytes, float]] = {}
+        self._objects: dict[str, tuple[bytes, float, int]] = {}
+        #: the version of every write (ObjectInfo.version): no two writes share one
+        self._writes = itertools.count(1)
 
     # ground truth for the conformance suite: bytes as stored, no backend logic
     def plant(self, key: str, data: bytes) -> None:
         """Store ``data`` at ``key`` directly, as someone with access to the storage would."""
         with self._lock:
-            self._objects[key] = (bytes(data), time.time())
+            self._objects[key] = (bytes(data), time.time(), next(self._writes))
 
     def stored(self, key: str) -> bytes | None:
         """The bytes stored at ``key``, or None."""
@@ -55,13 +58,13 @@ class MemoryBackend(Backend):
     def put(self, key: str, chunks: Iterable[Buffer]) -> None:
         data = b"".join(bytes(c) for c in chunks)
         with self._lock:
-            self._objects[key] = (data, time.time())
+            self._objects[key] = (data, time.time(), next(self._writes))
 
     def create(self, key: str, data: bytes) -> bool:
         with self._lock:
             if key in self._objects:
                 return False
-            self._objects[key] = (bytes(data), time.time())
+            self._objects[key] = (bytes(data), time.time(), next(self._writes))
             return True
 
     def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]:
@@ -73,7 +76,7 @@ class MemoryBackend(Backend):
             found = [(k, v) for k, v in found if k in keep]
         else:
             check_depth(self.url, prefix, keys)
-        return [ObjectInfo(k, len(v[0]), v[1]) for k, v in found]
+        return [ObjectInfo(k, len(v[0]), v[1], str(v[2])) for k, v in found]
 
     def list_keys(
         self, prefix: str, *, start_after: str = "", limit: int | None = None, flat: bool = False

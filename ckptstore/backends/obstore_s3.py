@@ -231,7 +231,8 @@ class ObstoreS3Backend(Backend):
                         continue  # a directory placeholder (SeaweedFS)
                     key = self._key(path)
                     if key.startswith(prefix):
-                        out.append(ObjectInfo(key, int(meta["size"]), meta["last_modified"].timestamp()))
+                        out.append(ObjectInfo(key, int(meta["size"]), meta["last_modified"].timestamp(),
+                                              str(meta.get("e_tag") or "")))
         except Exception as exc:  # noqa: BLE001
             self._raise(exc, "list", prefix)
             raise

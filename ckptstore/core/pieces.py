@@ -102,11 +102,11 @@ MAX_INTENT_BYTES = 64 << 20
 
 @dataclass
 class IntentCache:
-    """The intents one gc read, by key, each with the (size, mtime) its
+    """The intents one gc read, by key, each with the (size, mtime, version) its
     listing showed: a later round of the same sweep reads an intent again only
     when its listing changed (§9.5 step 4)."""
 
-    items: dict[str, tuple[tuple[int, float], IntentRecord]] = field(default_factory=dict)
+    items: dict[str, tuple[tuple[int, float, str], IntentRecord]] = field(default_factory=dict)
     #: intent bytes read by this cache's owner in all
     bytes_read: int = 0
     #: intents read (not served from the cache)
@@ -117,7 +117,7 @@ def list_intents(io: RunIO, cache: IntentCache | None = None, *, max_count: int 
                  max_bytes: int = MAX_INTENT_BYTES) -> tuple[dict[str, IntentRecord], list[str]]:
     """Every intent record of the run (key -> record) and the keys that could
     not be read. With ``cache``, an intent whose listing shows the same size
-    and time as when it was read is not read again. More than ``max_count``
+    time and version as when it was read is not read again. More than ``max_count``
     intents, or more than ``max_bytes`` listed bytes of them: :class:`LimitReachedError`
     (nothing is read past the listing)."""
     cache = cache if cache is not None else IntentCache()
@@ -130,10 +130,10 @@ def list_intents(io: RunIO, cache: IntentCache | None = None, *, max_count: int 
             f"{intents_prefix(io.run_id)}: {len(listed)} save intent(s) of {total} bytes, more than gc reads "
             f"({max_count} intents, {max_bytes} bytes); a writer keeps one or two: remove the ones no live "
             "writer made (ckptstore ls shows the run's attempts)")
-    fresh = [o for o in listed if (c := cache.items.get(o.key)) is None or c[0] != (o.size, o.mtime)]
+    fresh = [o for o in listed if (c := cache.items.get(o.key)) is None or c[0] != (o.size, o.mtime, o.version)]
     for o in listed:
         c = cache.items.get(o.key)
-        if c is not None and c[0] == (o.size, o.mtime):
+        if c is not None and c[0] == (o.size, o.mtime, o.version):
             good[o.key] = c[1]
     datas = io.get_many_bounded([o.key for o in fresh], MAX_INTENT_RECORD, [o.size for o in fresh]) if fresh else []
     for o, data in zip(fresh, datas, strict=True):
@@ -148,7 +148,7 @@ def list_intents(io: RunIO, cache: IntentCache | None = None, *, max_count: int 
             bad.append(f"{o.key}: {str(exc)[:200]}")
             continue
         good[o.key] = rec
-        cache.items[o.key] = ((o.size, o.mtime), rec)
+        cache.items[o.key] = ((o.size, o.mtime, o.version), rec)
     gone = set(cache.items) - {o.key for o in listed}
     for key in gone:
         del cache.items[key]
@@ -162,7 +162,7 @@ def list_pieces(io: RunIO, holder: str | None = None) -> dict[tuple[str, str], L
     for o in io.list(prefix):
         hd = parse_piece_key(io.run_id, o.key)
         if hd is not None:
-            out[hd] = ListedPiece(o.key, hd[0], hd[1], o.size, o.mtime)
+            out[hd] = ListedPiece(o.key, hd[0], hd[1], o.size, o.mtime, o.version)
     return out
 
 
@@ -183,9 +183,9 @@ class PieceWriter:
         self._arming: threading.Thread | None = None
         #: saves begun by this writer (the clock of the periodic re-hash)
         self.saves_begun = 0
-        #: evidence per known piece (§9.2 "Evidence"): (holder, digest) -> (size, mtime) its listing showed
+        #: evidence per known piece (§9.2 "Evidence"): (holder, digest) -> (size, mtime, version) its listing showed
         #: while the piece was known intact
-        self.evidence: dict[tuple[str, str], tuple[int, float]] = {}
+        self.evidence: dict[tuple[str, str], tuple[int, float, str]] = {}
         #: (holder, digest) -> ``saves_begun`` when this writer last wrote or re-hashed the piece
         self.checked: dict[tuple[str, str], int] = {}
         #: what the evidence checks found (one line per piece, newest last, at most DAMAGE_REPORTS)
@@ -255,7 +255,7 @@ class PieceWriter:
             for hd in fresh:
                 got = there.get(hd)
                 if got is not None and sizes.get(hd) == got.size:
-                    self.evidence[hd] = (got.size, got.mtime)
+                    self.evidence[hd] = got.evidence
 
     def _report(self, line: str) -> None:
         with self._lock:
@@ -266,7 +266,7 @@ class PieceWriter:
     def _still_intact(self, known: dict[str, PieceRef]) -> dict[str, PieceRef]:
         """§9.2 "Evidence": the known pieces whose evidence still holds. One
         listing per holder; a piece missing or of another size is dropped; a
-        piece with no evidence, whose (size, mtime) changed, or that is due for
+        piece with no evidence, whose (size, mtime, version) changed, or that is due for
         its periodic re-hash (the ``ceil(n / REHASH_EVERY)`` longest unchecked)
         is re-hashed and dropped unless it matches. A dropped piece is written
         again by the save (under its own ID); what was found is reported."""
@@ -287,7 +287,7 @@ class PieceWriter:
                 self._report(f"{where} has {got.size} bytes, the commit that named it says {p.size}: "
                              "written again under this save")
                 continue
-            if hd in checked and evidence.get(hd) == (got.size, got.mtime) and hd not in due:
+            if hd in checked and evidence.get(hd) == got.evidence and hd not in due:
                 out[d] = p
                 continue
             with self._lock:
@@ -302,7 +302,7 @@ class PieceWriter:
                 continue
             with self._lock:
                 self.checked[hd] = n
-                self.evidence[hd] = (got.size, got.mtime)
+                self.evidence[hd] = got.evidence
             out[d] = p
         if len(out) < len(known):
             with self._lock:  # later saves do not reuse what failed either

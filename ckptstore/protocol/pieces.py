@@ -61,6 +61,13 @@ class ListedPiece:
     digest: str
     size: int
     mtime: float
+    #: the backend's content version (ObjectInfo.version; "" where it reports none)
+    version: str = ""
+
+    @property
+    def evidence(self) -> tuple[int, float, str]:
+        """What a later listing must show again for the piece to count as unchanged (§9.2 "Evidence")."""
+        return (self.size, self.mtime, self.version)
 
 
 @dataclass

@@ -221,6 +221,22 @@ class BackendConformance:
         assert [o.key for o in backend.list("m/12-a/")] == ["m/12-a/x", "m/12-a/y/z"]
         assert backend.list("m/14") == []
 
+    def test_a_listed_version_is_stable_and_changes_with_a_same_size_rewrite(self, backend: Backend) -> None:
+        """``ObjectInfo.version`` (where the backend reports one) is the piece evidence of
+        PROTOCOL.md §9.2: the same until the object is written again, and different after a
+        rewrite of the same size even within the server's clock resolution (SeaweedFS lists
+        whole seconds, so ``mtime`` alone would not show it)."""
+        backend.put("ver/x", [b"A" * 64])
+        (first,) = backend.list("ver/")
+        (again,) = backend.list("ver/")
+        assert (again.size, again.mtime, again.version) == (first.size, first.mtime, first.version)
+        if not first.version:
+            return  # the backend reports no version: its evidence is size and mtime (local: ns mtime)
+        self.set_raw(backend, "ver/x", b"B" * 64)
+        (after,) = backend.list("ver/")
+        assert after.size == first.size
+        assert after.version and after.version != first.version
+
     def test_deferred_puts_land_when_settled(self, backend: Backend) -> None:
         pending = [backend.put_deferred(f"dfr/a/{i}", [b"x" * i, b"y"]) for i in range(5)]
         pending.append(backend.put_deferred("dfr/b/one", [b"one"]))

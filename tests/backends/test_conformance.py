@@ -33,3 +33,11 @@ class TestBackendConformance(BackendConformance):
     @pytest.fixture
     def race_rounds(self, backend_kind: str) -> int:
         return int(os.environ.get("CKPT_RACE_ROUNDS", RACE_ROUNDS.get(backend_kind, 1)))
+
+
+def test_every_backend_but_the_local_disk_lists_a_content_version(backend: Backend, backend_kind: str) -> None:
+    """The version test of the suite returns early where none is reported: say where that is
+    allowed. The local disk's evidence is size and nanosecond mtime (PROTOCOL.md §9.2)."""
+    backend.put("ver/y", [b"y"])
+    (info,) = backend.list("ver/")
+    assert bool(info.version) == (backend_kind != "local"), (backend_kind, info)

@@ -233,7 +233,7 @@ class CheckpointStore:
         return TierSet(o.local_tier, self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
                        o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag,
                        piece_timing=o.piece_timing, early=o.early_replication,
-                       rank=o.tier_rank, peers=o.tier_peers)
+                       rank=o.tier_rank, peers=o.tier_peers, exit_flush_seconds=o.close_flush_seconds)
 
     def _durable_step(self) -> int | None:
         try:

@@ -5,5 +5,6 @@ a job of many ranks through ``open_distributed(..., local_tier=...)``, each
 rank's tier holding its own part (:mod:`.parts`)."""
 
 from .replicator import ReplicationStatus
+from .tiered import NotDurableAtExitWarning
 
-__all__ = ["ReplicationStatus"]
+__all__ = ["NotDurableAtExitWarning", "ReplicationStatus"]

@@ -453,7 +453,13 @@ class Replicator:
                 if not self._s.queue:
                     continue
                 ref = self._s.busy = self._s.queue.popleft()
-            self._one(ref)
+            try:
+                self._one(ref)
+            except Exception as exc:  # noqa: BLE001 - a defect: say so and go on, never die holding ``busy``
+                with self._cond:
+                    self._s.failures += 1
+                    self._s.last_error = f"{type(exc).__name__}: {redact_text(str(exc))}"[:500]
+                self._skip(ref, "error", exc)
             with self._cond:
                 self._s.busy = None
                 self._cond.notify_all()

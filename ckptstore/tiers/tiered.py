@@ -18,6 +18,8 @@ delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -45,6 +47,7 @@ from ..errors import (
 from ..protocol import AttemptRecord, CommitRecord, ComponentEntry, run_record_key
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
+from ..util.shutdown import before_pools_stop
 from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
 from .parts import PartCopier
@@ -116,6 +119,28 @@ class _EarlyStaged(StagedSave):
         return entry
 
 
+class NotDurableAtExitWarning(UserWarning):
+    """The interpreter exits with local saves the durable tier does not hold yet
+    (the store was not closed, and its ``close_flush_seconds`` ran out at exit)."""
+
+
+#: tier sets whose replicator runs (their store was not closed): flushed at interpreter exit
+_OPEN: weakref.WeakSet[TierSet] = weakref.WeakSet()
+
+
+def _flush_at_exit() -> None:
+    """At interpreter exit (``util.shutdown``: while thread pools still take work,
+    after the Checkpointer's in-flight saves settled): every tiered store not closed
+    waits up to its ``close_flush_seconds`` for replication, then warns with the
+    count of saves still local only and the fix. The replicator thread is a
+    daemon, so without this the newest save would silently stay local."""
+    for tiers in list(_OPEN):
+        tiers.leave()
+
+
+before_pools_stop(_flush_at_exit)
+
+
 class TierSet:
     """The local tier, the replicator and the rules that join them to the durable store."""
 
@@ -124,8 +149,11 @@ class TierSet:
         identity_digest: str, auth: RecordAuth, retry: RetryPolicy | None, *, keep: int, every: int, max_lag: int,
         piece_timing: PieceTiming | None = None, early: bool = False,
         rank: int | None = None, peers: Mapping[int, Mapping[str, Any]] | None = None,
+        exit_flush_seconds: float = 30.0,
     ) -> None:
         self.durable_io = durable_io
+        #: how long interpreter exit waits for replication when the store was not closed (``close_flush_seconds``)
+        self.exit_flush_seconds = exit_flush_seconds
         self.durable_attempts = durable_attempts
         self.ledger = ledger
         self.retry = retry or RetryPolicy()
@@ -287,6 +315,7 @@ class TierSet:
             intent=self.durable_intent, early=self.early,
             copy=PartCopier(self.rank) if self.rank is not None else None,
         )
+        _OPEN.add(self)
 
     def resume_from(self, ref: SaveRef) -> None:
         """A member rank learnt the job's resume point: the coordinator's tier
@@ -469,7 +498,25 @@ class TierSet:
         return self.local.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds,
                              timing=self.piece_timing)
 
+    def leave(self) -> None:
+        """At interpreter exit, the store not closed: replicate what is pending
+        (bounded by ``exit_flush_seconds``), else warn with the count and the fix."""
+        rep = self.replicator
+        if rep is None or not rep.status().pending:
+            return
+        if rep.flush(self.exit_flush_seconds):
+            return
+        left = rep.status().pending
+        warnings.warn(
+            f"{self.local.root}: {len(left)} local save(s) (step(s) {', '.join(map(str, left))}) are not in the "
+            f"durable tier {self.durable_io.backend.url} at exit ({self.exit_flush_seconds:g} s waited): they stay "
+            "on this machine only. Fix: close the store (CheckpointStore.close() or a with block) and call "
+            "make_durable(timeout) before exiting, or raise close_flush_seconds; the next open on this machine "
+            "resumes from the local copy and replicates it",
+            NotDurableAtExitWarning, stacklevel=1)
+
     def close(self, flush_seconds: float) -> None:
+        _OPEN.discard(self)
         if self.replicator is not None:
             self.replicator.flush(flush_seconds)
             self.replicator.close()

@@ -10,7 +10,6 @@ save publishes nothing."""
 
 from __future__ import annotations
 
-import atexit
 import threading
 import weakref
 from collections import deque
@@ -19,6 +18,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
 from ..protocol.selection import SaveRef
+from ..util.shutdown import before_pools_stop
 from .state import HostBuffers
 
 #: what a queued save runs: it gets ``in_order``, to call just before it publishes
@@ -124,7 +124,9 @@ class SaveQueue:
 _OPEN: weakref.WeakSet[SaveQueue] = weakref.WeakSet()
 
 
-@atexit.register
 def _settle_at_exit() -> None:
     for queue in list(_OPEN):
         queue.leave()
+
+
+before_pools_stop(_settle_at_exit)  # util.shutdown: while pools take work, before the tiers flush

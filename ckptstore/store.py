@@ -98,6 +98,42 @@ class OpenOptions:
     tier_peers: Mapping[int, Mapping[str, Any]] | None = None
 
 
+def check_combination(o: OpenOptions, *, pieces: bool) -> None:
+    """The one table of option combinations :meth:`CheckpointStore.open` refuses,
+    each with its reason and fix (``docs/combinations.md``). Run before anything is
+    written, with ``pieces`` the requested version, and again once the run's own
+    version is known (``pieces``: the run stores pieces, protocol version 3)."""
+    pieces = pieces or o.protocol_version == 3
+    if o.local_tier is None:
+        return
+    refused = [
+        (o.join_attempt is not None and o.tier_rank is None,
+         "local_tier with join_attempt needs tier_rank (open the ranks with "
+         "ckptstore.distributed.open_distributed(..., local_tier=...))"),
+        (o.tier_rank is not None and o.tier_rank < 0, "tier_rank must be >= 0"),
+        (o.local_keep < 1 or o.replicate_every < 1 or o.max_replication_lag < 1,
+         "local_keep, replicate_every and max_replication_lag must be at least 1"),
+        # a rank of many copies its part after the local commit (tiers.parts)
+        (o.tier_rank is not None and o.early_replication,
+         "early_replication is for one process; a rank of many replicates its part "
+         "after the local commit (open the job without early_replication)"),
+        # early uploads copy whole components as they are written; a version-3 save is pieces the
+        # replicator copies (only those the durable tier lacks) after the local commit
+        (o.early_replication and pieces,
+         "early_replication is not available on a protocol version 3 run (pieces): "
+         "its replication already copies only the pieces the durable tier lacks; open "
+         "without early_replication, or the run at protocol version 2"),
+        # each rank's replicator carries its own part, the pieces path (tiers.durable_intent) one
+        # process's save: the two are not joined yet
+        (o.tier_rank is not None and pieces,
+         "local_tier on many ranks with a protocol version 3 run (pieces) is not "
+         "supported yet; open the job at protocol version 2, or without local_tier"),
+    ]
+    for hit, why in refused:
+        if hit:
+            raise InvalidInputError(why)
+
+
 def _listed(head: str, items: Sequence[str], limit: int = 8) -> str:
     """``head: a; b; ... (N more)``: a message with at most ``limit`` reasons shown."""
     shown = "; ".join(items[:limit]) + (f"; ... ({len(items) - limit} more)" if len(items) > limit else "")
@@ -161,6 +197,7 @@ class CheckpointStore:
         self.resumed_from: SaveRef | None = None
         requested = normalize_identity(identity) if identity is not None else None
         version = layout_of(protocol_version) if protocol_version is not None else None
+        check_combination(o, pieces=False)  # before anything is written (the run's own version: _open_tiers)
         if self.mode == "w":
             check_can_write(backend, requested, join_attempt, single_writer)
             assert requested is not None
@@ -214,21 +251,7 @@ class CheckpointStore:
         return list(w.damaged) if w is not None else []
 
     def _open_tiers(self, o: OpenOptions) -> TierSet:
-        if o.join_attempt is not None and o.tier_rank is None:
-            raise InvalidInputError("local_tier with join_attempt needs tier_rank (open the ranks with "
-                                    "ckptstore.distributed.open_distributed(..., local_tier=...))")
-        if o.tier_rank is not None and o.tier_rank < 0:
-            raise InvalidInputError("tier_rank must be >= 0")
-        if o.tier_rank is not None and o.early_replication:
-            raise InvalidInputError("early_replication is for one process; a rank of many replicates its part "
-                                    "after the local commit (open the job without early_replication)")
-        if o.tier_rank is not None and (o.protocol_version == 3 or self._io.layout.pieces):
-            # each rank's replicator carries its own part, the pieces path (tiers.durable_intent) one
-            # process's save: the two are not joined yet
-            raise InvalidInputError("local_tier on many ranks with a protocol version 3 run (pieces) is not "
-                                    "supported yet; open the job at protocol version 2, or without local_tier")
-        if o.local_keep < 1 or o.replicate_every < 1 or o.max_replication_lag < 1:
-            raise InvalidInputError("local_keep, replicate_every and max_replication_lag must be at least 1")
+        check_combination(o, pieces=self._io.layout.pieces)  # the run's own version decides (an existing run)
         assert o.local_tier is not None
         return TierSet(o.local_tier, self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
                        o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag,

@@ -7,8 +7,9 @@ in ``ckptstore.ops`` (extra ``runs``).
 
 from .backends.base import Backend, Capabilities, ObjectInfo
 from .backends.schemes import register_scheme
+from .core.pieces import PieceTiming
 from .core.reader import VerifyReport
-from .core.record_auth import UnauthenticatedWarning, keyring_from_file
+from .core.record_auth import RecordAuth, UnauthenticatedWarning, keyring_from_env, keyring_from_file
 from .core.writer import StagedSave
 from .errors import (
     CkptStoreError,
@@ -44,6 +45,8 @@ __all__ = [
     "GcReport",
     "Keyring",
     "OpenOptions",
+    "PieceTiming",
+    "RecordAuth",
     "RetryPolicy",
     "UnauthenticatedWarning",
     "Backend",
@@ -78,6 +81,7 @@ __all__ = [
     "UnsupportedBackendError",
     "VerifyReport",
     "digest_tree",
+    "keyring_from_env",
     "keyring_from_file",
     "register_scheme",
 ]

@@ -49,11 +49,11 @@ def read_only_backend(url: str, storage_options: dict[str, Any] | None) -> Backe
 
 
 def open_store(args: argparse.Namespace, *, default_policy: str = "off") -> CheckpointStore:
-    from ..core.record_auth import load_keyring
+    from .. import keyring_from_env, keyring_from_file
 
     key_file = getattr(args, "auth_key_file", None)
     policy = getattr(args, "auth_policy", None) or ("warn" if key_file and default_policy == "off" else default_policy)
-    keyring = load_keyring(key_file=key_file) if policy != "off" else None
+    keyring = (keyring_from_file(key_file) if key_file else keyring_from_env()) if policy != "off" else None
     backend = read_only_backend(args.url, parse_options(getattr(args, "storage_option", None)))
     return CheckpointStore.open(
         backend, args.run, mode="r", auth_policy=policy, keyring=keyring, local_tier=getattr(args, "local_tier", None),

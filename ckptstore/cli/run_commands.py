@@ -87,14 +87,14 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 def cmd_verify_artifact(args: argparse.Namespace) -> int:
     require_extra("artifact verification", "torch", "torch", "safetensors")
-    from ..core.record_auth import load_keyring
+    from .. import keyring_from_env, keyring_from_file
     from ..ops.artifact_check import read_provenance, verify_artifact
     from ..util.progress import progress
 
     opts = parse_options(args.storage_option)
     store = None
     policy = args.auth_policy or ("warn" if args.auth_key_file else "off")
-    keyring = load_keyring(key_file=args.auth_key_file) if policy != "off" else None
+    keyring = (keyring_from_file(args.auth_key_file) if args.auth_key_file else keyring_from_env()) if policy != "off" else None
     if args.store:
         try:
             run_id = str(read_provenance(args.dir, opts)["run_id"])

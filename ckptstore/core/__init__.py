@@ -15,6 +15,7 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     util.progress             a progress bar on a terminal, silence elsewhere
     util.prometheus           Prometheus metrics through prometheus-client (extra metrics)
     util.files                directory fsync, atomic replace
+    util.shutdown             work at interpreter exit while thread pools still take it
     defaults                  the budget and gc-grace defaults
     protocol                  records, layout, selection, gc plan (pure, no I/O)
     identity                  what makes two processes the same experiment

@@ -28,7 +28,7 @@ import os
 import stat
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TypeVar
 
 from ..backends.base import ObjectInfo
@@ -60,6 +60,9 @@ def _parse_hex_key(kid: str, text: str) -> bytes:
 
 
 def keyring_from_env(var: str = ENV_KEYS) -> Keyring | None:
+    """The :class:`~ckptstore.Keyring` in the environment variable ``var``
+    (``CKPTSTORE_AUTH_KEYS``: ``ID:HEX[,ID:HEX...]``, the first key signs), or
+    None when it is unset or empty (public as ``ckptstore.keyring_from_env``)."""
     spec = os.environ.get(var, "").strip()
     if not spec:
         return None
@@ -169,17 +172,6 @@ def keyring_from_file(path: str | os.PathLike[str]) -> Keyring:
         return Keyring(keys, active)
     except InvalidInputError as exc:
         raise InvalidInputError(f"key file {p}: {exc}") from None
-
-
-def load_keyring(
-    *, key_file: str | os.PathLike[str] | None = None, key_fn: Callable[[], Mapping[str, bytes]] | None = None
-) -> Keyring | None:
-    if key_fn is not None:
-        keys = dict(key_fn())
-        return Keyring(keys, next(iter(keys), None))
-    if key_file is not None:
-        return keyring_from_file(key_file)
-    return keyring_from_env()
 
 
 def sidecar_key(record_key: str) -> str:

@@ -30,9 +30,9 @@ from typing import Any, Literal, Self
 
 import torch.distributed as dist
 
+from .. import PieceTiming, RecordAuth
 from .. import protocol as P
-from ..core.pieces import PieceDeadline, PieceTiming, check_deadlines
-from ..core.record_auth import RecordAuth
+from ..core.pieces import PieceDeadline, check_deadlines
 from ..errors import (
     CkptStoreError,
     CommitUnknownError,

@@ -43,8 +43,8 @@ from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from .. import GcReport
 from .. import protocol as P
-from ..core.collector import GcReport
 from ..errors import CkptStoreError, CorruptionError
 from ..protocol.selection import SaveRef, SaveState
 from ..store import DEFAULT_GRACE_SECONDS, CheckpointStore

@@ -380,3 +380,33 @@ def test_each_shim_pins_the_versions_it_was_tested_with(shim: str, dist: str, te
     assert installed in SpecifierSet(mod.TESTED), (
         f"{dist} {installed} is outside ckptstore/shims/{shim}.py's tested range {mod.TESTED}: check each private "
         "name it uses against the new release, then widen TESTED (and the extra's range in pyproject.toml)")
+
+
+#: add-ons: code that builds on the store from outside it
+ADDONS = ("integrations", "cli", "distributed")
+#: the public surface an add-on may import besides its own package: the facade, the pure protocol,
+#: the backends, the errors, and the other add-on layers
+ADDON_MAY_IMPORT = ("", "store", "protocol", "backends", "errors", "util", "identity", "retry", "defaults", "torch",
+                    "ops", "integrations", "cli", "distributed", "shims")
+#: packages whose ``__init__`` (their public names) an add-on may import, not their modules
+ADDON_MAY_IMPORT_PACKAGE = ("tiers", "core")
+#: internals an add-on still imports, each with why; the list only shrinks (issue 31 item 3 moves these
+#: protocol steps behind the placement interface)
+ADDON_EXCEPTIONS = {
+    # the coordinator runs PROTOCOL.md §9.4's deadline check for every rank's inventory
+    ("distributed.coordinator", "core.pieces"),
+    # the coordinator's resume decision reads what each rank's local tier holds
+    ("distributed.coordinator", "tiers.parts"),
+}
+
+
+def test_add_ons_import_the_public_surface_not_core_or_tiers() -> None:
+    graph = _graph()
+    bad = sorted(
+        (m, d) for m, deps in graph.items() if m.split(".")[0] in ADDONS
+        for d in deps if d.split(".")[0] not in ADDON_MAY_IMPORT and d not in ADDON_MAY_IMPORT_PACKAGE
+        and (m, d) not in ADDON_EXCEPTIONS
+    )
+    assert not bad, f"an add-on imports internals (import them from the ckptstore facade instead): {bad}"
+    stale = sorted(e for e in ADDON_EXCEPTIONS if e[1] not in graph.get(e[0], ()))
+    assert not stale, f"no longer imported: remove from ADDON_EXCEPTIONS: {stale}"

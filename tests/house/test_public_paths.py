@@ -37,6 +37,7 @@ PUBLIC = [
     "ckptstore.retry",
     "ckptstore.backends",
     "ckptstore.backends.faults",
+    "ckptstore.tiers",
     "ckptstore.torch",
     "ckptstore.torch.codec",
     "ckptstore.distributed",
@@ -73,7 +74,7 @@ ALIASES = {
 #: subpackages that are the implementation, not an import path users rely on
 INTERNAL_PACKAGES = {
     "ckptstore.cli", "ckptstore.core", "ckptstore.ops.drill", "ckptstore.protocol", "ckptstore.shims",
-    "ckptstore.tiers", "ckptstore.util",
+    "ckptstore.util",
 }
 
 DOTTED = re.compile(r"(?<![\w.])ckptstore(?:\.[A-Za-z_]\w*)+")

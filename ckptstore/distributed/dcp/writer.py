@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ... import StagedSave
 from ... import protocol as P
-from ...core.writer import StagedSave
 from ...errors import InvalidInputError
 from ...protocol.selection import SaveRef
 from ...shims.torch_private import StorageWriterTransforms, StreamTransformExtension

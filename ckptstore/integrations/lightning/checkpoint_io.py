@@ -86,7 +86,7 @@ from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ...core.record_auth import RecordAuth
+from ... import RecordAuth
 from ...errors import (
     CkptStoreError,
     CorruptionError,

@@ -18,7 +18,7 @@ import blake3
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from ...core.record_auth import RecordAuth
+from ... import RecordAuth
 from ...errors import CommitConflictError, InvalidInputError
 from ...protocol import canonical_json
 from ...protocol.auth import AuthPolicy, Keyring

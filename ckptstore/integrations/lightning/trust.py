@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 import blake3
 
-from ...core.record_auth import RecordAuth, UnauthenticatedWarning
+from ... import RecordAuth, UnauthenticatedWarning
 from ...errors import CorruptionError, NotFoundError
 from ...protocol import canonical_json, decode_json
 from ...protocol.auth import AuthPolicy, AuthTag

@@ -7,6 +7,7 @@ in ``ckptstore.ops`` (extra ``runs``).
 
 from .backends.base import Backend, Capabilities, ObjectInfo
 from .backends.schemes import register_scheme
+from .core.pieces import PieceTiming
 from .core.reader import VerifyReport
 from .core.record_auth import UnauthenticatedWarning, keyring_from_file
 from .core.writer import StagedSave
@@ -44,6 +45,7 @@ __all__ = [
     "GcReport",
     "Keyring",
     "OpenOptions",
+    "PieceTiming",
     "RetryPolicy",
     "UnauthenticatedWarning",
     "Backend",

@@ -8,6 +8,7 @@ from .agreement import PeerLostError
 from .channel import Channel, ChannelError, CoordinatorLostError, RanksFailedError, StoreCounters
 from .coordinator import DistributedRun, DistributedSave, open_distributed
 from .errors import RemoteError, WorldSizeMismatchError
+from .ranked import RankStore
 
 __all__ = [
     "Channel",
@@ -16,6 +17,7 @@ __all__ = [
     "DistributedRun",
     "DistributedSave",
     "PeerLostError",
+    "RankStore",
     "RanksFailedError",
     "RemoteError",
     "StoreCounters",

@@ -16,6 +16,7 @@ for _module in ("torch", "safetensors", "numpy"):
 
 from .checkpointer import EX_TEMPFAIL, Checkpointer, ConfigChangeWarning
 from .codec import flatten, unflatten
+from .contract import CheckpointerStore
 from .loaders import ResumableLoader, WorkerRngState, sample_seed
 from .restore import (
     ConfigDiff,
@@ -24,6 +25,7 @@ from .restore import (
 from .sampler import InexactResumeWarning, ResumableSampler, RngPitfallWarning
 from .state import (
     CheckpointMismatchError,
+    CopyStreams,
     capture_rng,
     read_state,
     restore_rng,
@@ -36,8 +38,10 @@ __all__ = [
     "InexactResumeWarning",
     "CheckpointMismatchError",
     "Checkpointer",
+    "CheckpointerStore",
     "ConfigChangeWarning",
     "ConfigDiff",
+    "CopyStreams",
     "ResumableLoader",
     "ResumableSampler",
     "RngPitfallWarning",

@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import typing
 import warnings
 from pathlib import Path
 
@@ -137,6 +138,36 @@ def test_each_public_path_imports(name: str) -> None:
         mod = importlib.import_module(name)
     for n in getattr(mod, "__all__", []):
         assert hasattr(mod, n), f"{name}.__all__ names {n}, which it does not define"
+
+
+def _classes_in(hint: object) -> list[type]:
+    out = [hint] if isinstance(hint, type) else []
+    for arg in typing.get_args(hint):
+        out += _classes_in(arg)
+    return out
+
+
+def test_the_types_the_entry_points_take_are_exported() -> None:
+    """A type a user passes to an entry point can be imported from a package's ``__all__``
+    (not only from the module that defines it): ``PieceTiming`` from ``ckptstore``,
+    ``RankStore`` from ``ckptstore.distributed``, the Checkpointer's store and streams
+    contracts from ``ckptstore.torch``."""
+    import ckptstore
+    import ckptstore.distributed
+    import ckptstore.torch
+
+    pkgs = (ckptstore, ckptstore.distributed, ckptstore.torch)
+    exported = {id(getattr(m, n)) for m in pkgs for n in m.__all__}
+    entry = (ckptstore.CheckpointStore.open, ckptstore.distributed.open_distributed,
+             ckptstore.distributed.RankStore.__init__, ckptstore.torch.Checkpointer.__init__)
+    missing = sorted(
+        f"{f.__qualname__}({arg}): {c.__module__}.{c.__qualname__}"
+        for f in entry for arg, hint in typing.get_type_hints(f).items() for c in _classes_in(hint)
+        if c.__module__.split(".")[0] == "ckptstore" and id(c) not in exported
+    )
+    assert not missing, missing
+    assert ckptstore.PieceTiming is importlib.import_module("ckptstore.core.pieces").PieceTiming
+    assert ckptstore.distributed.RankStore is importlib.import_module("ckptstore.distributed.ranked").RankStore
 
 
 def _fresh_import(name: str) -> subprocess.CompletedProcess[str]:

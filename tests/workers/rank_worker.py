@@ -6,7 +6,10 @@ The spec is tests/workers/dist_launch.py's (rank, world, port, url, opts, scenar
 args). Scenario ``train``: DDP over a tiny model, an SGD optimizer, a
 :class:`ResumableLoader` sharded like ``DistributedSampler``, per-rank RNG,
 ``Checkpointer(RankStore(run))`` with its defaults (asynchronous saves, signal
-handling) saving every 2 steps, ``keep_last`` from the args. Prints ``RESULT``
+handling) saving every 2 steps, ``keep_last`` from the args. Optional args: ``auth_policy`` and ``key_file``
+(:func:`ckptstore.keyring_from_file`; None: no keyring), each one value for
+every rank or a list with one per rank; ``protocol_version``; ``metrics_path``
+(``{rank}`` is replaced by the rank). Prints ``RESULT``
 lines: ``open``, ``ckpt`` (start step, per-step batch indices and RNG draws,
 the final weights) or the error of either.
 """
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ckptstore import keyring_from_file
 from ckptstore.distributed import open_distributed
 from ckptstore.distributed.ranked import RankStore
 from ckptstore.torch import Checkpointer, ResumableLoader
@@ -52,6 +56,12 @@ class Indexed(torch.utils.data.Dataset[Any]):
         return self.x[i], self.y[i], i
 
 
+def per_rank(args: dict[str, Any], name: str, rank: int, default: Any = None) -> Any:
+    """``args[name]``: one value for every rank, or a list with one per rank."""
+    v = args.get(name, default)
+    return v[rank] if isinstance(v, list) else v
+
+
 def train(run: Any, args: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = torch.nn.Linear(4, 2)
@@ -62,8 +72,10 @@ def train(run: Any, args: dict[str, Any]) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = ResumableLoader(Indexed(), batch_size=2, seed=7, num_replicas=run.world_size, rank=run.rank)
     torch.manual_seed(100 + run.rank)  # per-rank training randomness
+    metrics = args.get("metrics_path")
+    metrics = None if metrics is None else str(metrics).replace("{rank}", str(run.rank))
     ckpt = Checkpointer(RankStore(run), {"model": model, "optimizer": opt, "loader": loader}, every_steps=2,
-                        keep_last=args.get("keep_last"))
+                        keep_last=args.get("keep_last"), metrics_path=metrics)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = ckpt.resume()
@@ -96,17 +108,22 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     args: dict[str, Any] = spec.get("args", {})
     ident = args.get("identity", {"data_digest": "d", "code_digest": "c", "world_size": world})
+    key_file = per_rank(args, "key_file", rank)
     try:
+        keyring = None if key_file is None else keyring_from_file(key_file)
         run = open_distributed(
             spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None, timeout=60,
             save_timeout=30, reshard=bool(args.get("reshard", False)),
             resume_verify=args.get("resume_verify", "deep"),
+            auth_policy=per_rank(args, "auth_policy", rank, "off"), keyring=keyring,
+            protocol_version=args.get("protocol_version"),
         )
     except Exception as exc:  # noqa: BLE001
         emit(event="open", **err_json(exc))
         dist.destroy_process_group()
         return
-    emit(event="open", ok=True, attempt=run.attempt.number, resharded=run.resharded)
+    emit(event="open", ok=True, attempt=run.attempt.number, resharded=run.resharded,
+         protocol_version=run.store.run_record["protocol_version"])
     try:
         emit(event="ckpt", **train(run, args))
     except Exception as exc:  # noqa: BLE001

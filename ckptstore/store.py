@@ -18,21 +18,21 @@ from typing import Any, Literal, TypeVar, overload
 from .backends.base import Backend
 from .core.binding import bind_identity, read_identity, read_run_record
 from .core.bounded_io import RunIO
-from .core.catalog import Catalog
 from .core.collector import GcReport, collect
 from .core.fencing import AttemptLog
 from .core.hashing import CHUNK
 from .core.ledger import Ledger
-from .core.pieces import PieceTiming, PieceWriter, pieces_lacking
+from .core.one_tier import OneTier
+from .core.pieces import PieceTiming, pieces_lacking
 from .core.preflight import check_can_write, check_metadata, check_open_args
-from .core.reader import Reader, VerifyReport
+from .core.reader import VerifyReport
 from .core.record_auth import RecordAuth
-from .core.resume_point import resume_point
 from .core.signing import SignReport, sign_run
-from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id, publish
+from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id
 from .defaults import DEFAULT_GRACE_SECONDS
-from .errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError, StoreUnavailableError
+from .errors import CorruptionError, InvalidInputError, StoreUnavailableError
 from .identity import RunIdentity, identity_digest, normalize_identity
+from .placement import Placement, open_placement
 from .protocol import (
     AttemptRecord,
     ComponentEntry,
@@ -48,7 +48,6 @@ from .protocol.records import PieceRef
 from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from .retry import RetryPolicy
 from .tiers.replicator import ReplicationStatus
-from .tiers.tiered import TierSet
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS", "CheckpointStore", "GcReport", "OpenOptions", "SaveInfo", "SaveRef", "SaveWriter", "Selection",
@@ -197,7 +196,7 @@ class CheckpointStore:
         self.resumed_from: SaveRef | None = None
         requested = normalize_identity(identity) if identity is not None else None
         version = layout_of(protocol_version) if protocol_version is not None else None
-        check_combination(o, pieces=False)  # before anything is written (the run's own version: _open_tiers)
+        check_combination(o, pieces=False)  # before anything is written (the run's own version: below)
         if self.mode == "w":
             check_can_write(backend, requested, join_attempt, single_writer)
             assert requested is not None
@@ -205,40 +204,28 @@ class CheckpointStore:
         else:
             self.identity = read_identity(self._io, requested, self._auth, version)
         self.identity_digest = identity_digest(self.identity)
-        self._catalog = Catalog(self._io, self._attempts, self.identity_digest)
-        self._reader = Reader(self._catalog)
-        self._tiers: TierSet | None = None
+        self._durable = OneTier(self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
+                                o.piece_timing)
+        self._catalog, self._reader = self._durable.catalog, self._durable.reader
+        check_combination(o, pieces=self._io.layout.pieces)  # the run's own version decides (an existing run)
         self._close_flush = o.close_flush_seconds
-        if o.local_tier is not None:
-            self._tiers = self._open_tiers(o)
+        #: where the saves live (``ckptstore.placement``): every tier-dependent step is delegated to it
+        self._place: Placement = open_placement(
+            self._durable, o.local_tier, o.retry, keep=o.local_keep, every=o.replicate_every,
+            max_lag=o.max_replication_lag, early=o.early_replication, rank=o.tier_rank, peers=o.tier_peers,
+            close_flush_seconds=o.close_flush_seconds)
         if self.mode == "w":
+            self._place.prepare()
             if join_attempt is not None:
                 self.attempt = self._attempts.join(join_attempt)
-                if self._tiers is not None:  # a member rank of a tiered job: mirror, replicate its parts
-                    self._tiers.prepare(self._attempts.load())
-                    self._tiers.join(self.attempt, self.writer_id)
             else:
                 memo: set[str] = set()  # the re-selection after registering does not re-hash what was verified
-                tiers = self._tiers
-                if tiers is not None:
-                    tiers.prepare(self._attempts.load())
                 self.attempt, self.resumed_from = self._attempts.register(
                     self.writer_id, resume_from,
-                    (lambda v: resume_point(self._catalog, v, self._resume_deep, memo, self._ledger, self.writer_id))
-                    if tiers is None else
-                    (lambda v: tiers.resume_point(self._catalog, v, self._resume_deep, memo, self.writer_id)),
-                )
-                if tiers is not None:
-                    tiers.start(self.attempt, self.writer_id, self.resumed_from, self._durable_step())
-
-        self._pieces: PieceWriter | None = None
+                    lambda v: self._place.resume_point(v, self._resume_deep, memo, self.writer_id))
+            self._place.begin(self.attempt, self.writer_id, self.resumed_from, verified=self._resume_deep,
+                              joined=join_attempt is not None)
         self._piece_timing = o.piece_timing
-        if self.mode == "w" and self._io.layout.pieces and self._tiers is None:  # tiered: the TierSet's
-            assert self.attempt is not None
-            self._pieces = PieceWriter(self._io, self.attempt.number, o.piece_timing)
-            # the newest commit's pieces, known in memory: the first save skips them
-            self._pieces.learn(self.resumed_from.record if self.resumed_from is not None else None,
-                               verified=self._resume_deep)
 
     @property
     def damaged_pieces(self) -> list[str]:
@@ -247,23 +234,8 @@ class CheckpointStore:
         §9.2 "Evidence"), newest last; each was written again by the save that
         found it (that save is restorable). Each also came as a
         :class:`~ckptstore.core.pieces.DamagedPieceWarning`. Empty otherwise."""
-        w = self._pieces if self._tiers is None else self._tiers.pieces
+        w = self._place.pieces
         return list(w.damaged) if w is not None else []
-
-    def _open_tiers(self, o: OpenOptions) -> TierSet:
-        check_combination(o, pieces=self._io.layout.pieces)  # the run's own version decides (an existing run)
-        assert o.local_tier is not None
-        return TierSet(o.local_tier, self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
-                       o.retry, keep=o.local_keep, every=o.replicate_every, max_lag=o.max_replication_lag,
-                       piece_timing=o.piece_timing, early=o.early_replication,
-                       rank=o.tier_rank, peers=o.tier_peers, exit_flush_seconds=o.close_flush_seconds)
-
-    def _durable_step(self) -> int | None:
-        try:
-            ref = self._catalog.select(False, explain=False).latest
-        except Exception:  # noqa: BLE001 - for the record only
-            return None
-        return ref.step if ref is not None else None
 
     # ------------------------------------------------------------------ open
     @classmethod
@@ -382,8 +354,7 @@ class CheckpointStore:
     def _writer(self) -> WriterContext:
         if self.mode != "w" or self.attempt is None:
             raise InvalidInputError("this store was opened read-only; open it with identity=... to save")
-        return WriterContext(self._io, self._attempts, self.attempt, self.writer_id, self.identity_digest, self._auth,
-                             self._pieces)
+        return self._durable.context(self.attempt, self.writer_id)
 
     @property
     def piece_timing(self) -> PieceTiming:
@@ -394,8 +365,7 @@ class CheckpointStore:
         """``ref`` was published by another process (a coordinator) and is
         the newest commit: this writer's next save skips its pieces (version
         3; nothing otherwise). Writes the intent naming them now."""
-        if self._pieces is not None and ref.run_id == self.run_id:
-            self._pieces.learn(ref.record)
+        self._place.learn_published(ref)
 
     def new_save_id(self, step: int) -> str:
         """A fresh save ID for ``step`` of this store's attempt (a coordinator
@@ -409,9 +379,7 @@ class CheckpointStore:
         ctx = self._writer()
         validate_step(step)
         sid = check_save_id(ctx, step, save_id) if save_id is not None else new_save_id(step, ctx.attempt.number)
-        if self._tiers is not None:
-            return self._tiers.stage(step, sid)
-        return StagedSave(ctx, step, sid)
+        return self._place.stage(ctx, step, sid)
 
     def publish(
         self,
@@ -431,14 +399,8 @@ class CheckpointStore:
         when the save is not acknowledged."""
         validate_step(step)
         md = check_metadata(metadata)
-        if self._tiers is not None:
-            self._writer()
-            return self._tiers.publish(step, save_id, components, metadata=md, ranks=ranks, world_size=world_size,
-                                       expect=expect)
-        return publish(
-            self._writer(), step, save_id, components, metadata=md, ranks=ranks, world_size=world_size,
-            expect=expect,
-        )
+        return self._place.publish(self._writer(), step, save_id, components, metadata=md, ranks=ranks,
+                                   world_size=world_size, expect=expect)
 
     def save(
         self,
@@ -481,33 +443,24 @@ class CheckpointStore:
         the answer is a :class:`Selection` that also lists every newer candidate
         that was skipped and why.
         """
-        sel = self._catalog.select(deep, explain=explain) if self._tiers is None else \
-            self._tiers.select(self._catalog, deep, explain)
+        sel = self._place.select(deep, explain)
         return sel if explain else sel.latest
 
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
         """The commit of ``step`` (the highest attempt, unless given); not verified.
         Tiered: the durable commit, else the local one (``tier="local"``)."""
-        if self._tiers is None:
-            return self._catalog.get_save(step, attempt)
-        try:
-            return self._catalog.get_save(step, attempt)
-        except NotFoundError:
-            return self._tiers.get_save(step, attempt)
+        return self._place.get_save(step, attempt)
 
     def list_saves(self, *, deep: bool = False, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> list[SaveInfo]:
         """Every save of the run (committed or not), newest first, with its state."""
-        durable = self._catalog.list_saves(self._catalog.scan(), deep, grace_seconds)
-        return durable if self._tiers is None else self._tiers.list_saves(durable, deep, grace_seconds)
+        return self._place.list_saves(deep, grace_seconds)
 
     # --------------------------------------------------------------- reading
     def read(self, ref: SaveRef, name: str) -> bytes:
         """The component's bytes, verified against the commit record's size and
         BLAKE3 digest. A mismatch raises :class:`CorruptionError`; bad bytes are
         never returned."""
-        if self._tiers is not None:
-            return self._tiers.read(ref, lambda: self._reader.read(ref, name), lambda: self._tiers_reader.read(ref, name))
-        return self._reader.read(ref, name)
+        return self._place.read(ref, lambda r: r.read(ref, name))
 
     def component(self, ref: SaveRef, name: str) -> ComponentEntry:
         """The commit's entry for one component (name, size, BLAKE3);
@@ -524,11 +477,7 @@ class CheckpointStore:
         pass, no intermediate copies). On return every byte matches the
         commit's BLAKE3; on :class:`CorruptionError` the buffer's content is
         undefined and must not be used."""
-        if self._tiers is not None:
-            local = self._tiers_reader
-            self._tiers.read(ref, lambda: self._reader.read_into(ref, name, out), lambda: local.read_into(ref, name, out))
-            return
-        self._reader.read_into(ref, name, out)
+        self._place.read(ref, lambda r: r.read_into(ref, name, out))
 
     def iter_read(self, ref: SaveRef, name: str, chunk: int = CHUNK) -> Iterator[bytes]:
         """Stream a component in chunks, verifying as it goes.
@@ -543,35 +492,21 @@ class CheckpointStore:
         the same offset (that copy verified whole, and the bytes already handed
         out checked against it; ``docs/tiers.md``).
         """
-        if self._tiers is not None:  # held by both tiers: a failing local stream goes on from the durable copy
-            local = self._tiers_reader
-            return self._tiers.iter_read(ref, lambda: self._reader.iter_read(ref, name, chunk),
-                                         lambda: local.iter_read(ref, name, chunk))
-        return self._reader.iter_read(ref, name, chunk)
+        return self._place.stream(ref, lambda r: r.iter_read(ref, name, chunk))
 
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a component, not verified (see :meth:`read_verified_range`)."""
-        if self._tiers is not None:
-            local = self._tiers_reader
-            return self._tiers.read(ref, lambda: self._reader.read_range(ref, name, start, end),
-                                    lambda: local.read_range(ref, name, start, end))
-        return self._reader.read_range(ref, name, start, end)
+        return self._place.read(ref, lambda r: r.read_range(ref, name, start, end))
 
     def read_verified_range(self, ref: SaveRef, name: str, start: int, end: int, blake3_hex: str) -> bytes:
         """Bytes ``[start, end)`` of a component, checked against the BLAKE3
         digest of exactly that range (a per-item digest the caller keeps in a
         component that the commit record itself verifies)."""
-        if self._tiers is not None:
-            local = self._tiers_reader
-            return self._tiers.read(ref, lambda: self._reader.read_verified_range(ref, name, start, end, blake3_hex),
-                                    lambda: local.read_verified_range(ref, name, start, end, blake3_hex))
-        return self._reader.read_verified_range(ref, name, start, end, blake3_hex)
+        return self._place.read(ref, lambda r: r.read_verified_range(ref, name, start, end, blake3_hex))
 
     def verify(self, ref: SaveRef, *, deep: bool = True) -> VerifyReport:
         """Check one save against its record (sizes; with ``deep`` every digest)."""
-        if self._tiers is not None and ref.tier == "local":
-            return self._tiers_reader.verify(ref, deep=deep)
-        return self._reader.verify(ref, deep=deep)
+        return self._place.verify(ref, deep)
 
     # ------------------------------------------------------------------- gc
     def gc(
@@ -629,8 +564,7 @@ class CheckpointStore:
         old, was = self._writer().attempt.number, self.resumed_from
         self.attempt, _ = self._attempts.register(self.writer_id, to.step if to is not None else None, lambda v: None)
         self.resumed_from = to
-        if self._tiers is not None:
-            self._tiers.adopt(self.attempt)
+        self._place.adopt(self.attempt)
         self.record_event("resume-fallback", {
             "from_attempt": old, "from_step": was.step if was else None, "from_save_id": was.save_id if was else None,
             "to_step": to.step if to else None, "to_save_id": to.save_id if to else None,
@@ -733,10 +667,8 @@ class CheckpointStore:
         try:
             return self._ledger.append(kind, payload, self.attempt.number if self.attempt else None)
         except StoreUnavailableError:
-            rep = self._tiers.replicator if self._tiers is not None else None
-            if rep is None:
+            if not self._place.queue_event(kind, payload):  # tiered: sent when the durable tier is back
                 raise
-            rep.queue_event(kind, payload)  # tiered: the durable tier is away; sent when it is back
             return ""
 
     def events(self) -> list[dict[str, Any]]:
@@ -745,53 +677,37 @@ class CheckpointStore:
 
     # ---------------------------------------------------------------- tiers
     @property
-    def _tiers_reader(self) -> Reader:
-        assert self._tiers is not None
-        return self._tiers.reader
-
-    @property
     def tiered(self) -> bool:
         """Whether this store was opened with a ``local_tier``."""
-        return self._tiers is not None
+        return self._place.tiered
 
     def replication_status(self) -> ReplicationStatus | None:
         """Where replication to the durable tier stands (lag, newest durable
         step and its age, skipped saves, failures); None for a one-tier store
         or a reader."""
-        return self._tiers.status() if self._tiers is not None else None
+        return self._place.status()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued local save is durable (or skipped); False
         when ``timeout`` seconds passed first. True at once for a one-tier store."""
-        return True if self._tiers is None else self._tiers.flush(timeout)
+        return self._place.flush(timeout)
 
     def make_durable(self, timeout: float | None = None) -> bool:
         """Queue the newest local save for replication even when ``replicate_every``
         skipped it, and wait up to ``timeout`` seconds: True when it is durable
         (what a preemption calls before the process exits)."""
-        return True if self._tiers is None else self._tiers.make_durable(timeout)
+        return self._place.make_durable(timeout)
 
     def is_durable(self, ref: SaveRef) -> bool:
         """Whether ``ref`` is committed in the durable tier (always true for a one-tier store)."""
-        if self._tiers is None or ref.tier in ("durable", "both"):
-            return True
-        rep = self._tiers.replicator
-        if rep is not None and rep.is_durable(ref.save_id):
-            return True
-        try:
-            return self._catalog.get_save(ref.step, ref.attempt).manifest_digest == ref.manifest_digest
-        except CkptStoreError:
-            return False
+        return self._place.is_durable(ref)
 
     def publish_record(self, data: bytes) -> SaveRef:
         """A member rank of a tiered multi-rank job: publish the coordinator's
         commit record (its exact bytes) in this rank's local tier, for the
         components the record gives this rank, and queue that part for
         replication (``ckptstore.tiers.parts``)."""
-        if self._tiers is None or self._tiers.rank is None:
-            raise InvalidInputError("publish_record needs a store opened with local_tier= and tier_rank=")
-        self._writer()
-        return self._tiers.publish_record(data)
+        return self._place.publish_record(self._writer(), data)
 
     def adopt_resume_point(self, ref: SaveRef) -> None:
         """A member rank learnt the job's resume point from the coordinator
@@ -799,26 +715,20 @@ class CheckpointStore:
         :attr:`resumed_from`; tiered, a save only the local tiers hold is
         queued for replication (this rank's part)."""
         self.resumed_from = ref
-        if self._tiers is not None and self._tiers.replicator is not None:
-            self._tiers.resume_from(ref)
+        self._place.adopt_resume_point(ref)
 
     def gc_local(self, *, keep_last: int = 2, dry_run: bool = False, deep: bool = False,
                  grace_seconds: float = DEFAULT_GRACE_SECONDS) -> GcReport:
         """gc of the local tier alone (the durable tier is neither read nor
         touched; :meth:`gc` is the durable tier's and never touches the local one)."""
-        if self._tiers is None:
-            raise InvalidInputError("this store has no local tier (open it with local_tier=...)")
         if keep_last < 1:
             raise InvalidInputError("keep_last must be at least 1: the newest complete save is never deleted")
-        return self._tiers.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds)
+        return self._place.gc_local(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds)
 
     def close(self) -> None:
         """Wait up to ``close_flush_seconds`` for replication (tiered), end this
         writer's save intent (version 3), then release the backends."""
-        if self._tiers is not None:
-            self._tiers.close(self._close_flush)
-        if self._pieces is not None:
-            self._pieces.close()  # its commits mark their pieces now; a killed writer's intent expires instead
+        self._place.close(self._close_flush)
         self.backend.close()
 
     def __enter__(self) -> CheckpointStore:

@@ -46,11 +46,13 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     core.ledger               the append-only event ledger
     core.resume_point         the save a writer resumes from
     core.signing              signing an existing run after the fact
+    core.one_tier             the one-tier placement: saves in the backend alone
     tiers.tier_dir            the tier's folders opened without following links, kept apart from the durable run
     tiers.local               the local tier: mirror, selection judged by durable attempts, gc
     tiers.durable_intent      the replicator's save intent in the durable tier (version 3)
     tiers.replicator          background replication to the durable tier, in commit order
     tiers.parts               many ranks: rank folders, local holdings, each rank's replication step
     tiers.tiered              the two tiers joined: save, select, resume, read, gc per tier
+    placement                 the interface the facade delegates to; the one choice of placement
     store                     the public facade
 """

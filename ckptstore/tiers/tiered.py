@@ -26,19 +26,16 @@ from typing import Any, TypeVar
 
 import blake3
 
-from ..core.bounded_io import RunIO
-from ..core.catalog import Catalog
 from ..core.collector import GcReport
-from ..core.fencing import AttemptLog, AttemptView
-from ..core.ledger import Ledger
-from ..core.pieces import PieceTiming, PieceWriter
-from ..core.reader import Reader
-from ..core.record_auth import RecordAuth
-from ..core.resume_point import resume_point
+from ..core.fencing import AttemptView
+from ..core.one_tier import OneTier
+from ..core.pieces import PieceWriter
+from ..core.reader import Reader, VerifyReport
 from ..core.writer import StagedSave, WriterContext, publish, publish_part, seal_record
 from ..errors import (
     CkptStoreError,
     CorruptionError,
+    InvalidInputError,
     NotFoundError,
     ResumeRefusedError,
     StoreUnavailableError,
@@ -142,20 +139,26 @@ before_pools_stop(_flush_at_exit)
 
 
 class TierSet:
-    """The local tier, the replicator and the rules that join them to the durable store."""
+    """The local tier, the replicator and the rules that join them to the durable
+    store: the two-tier placement (:class:`ckptstore.placement.Placement`)."""
+
+    #: a local tier stands in front of the durable one (``CheckpointStore.tiered``)
+    tiered = True
 
     def __init__(
-        self, root: str | os.PathLike[str], durable_io: RunIO, durable_attempts: AttemptLog, ledger: Ledger,
-        identity_digest: str, auth: RecordAuth, retry: RetryPolicy | None, *, keep: int, every: int, max_lag: int,
-        piece_timing: PieceTiming | None = None, early: bool = False,
-        rank: int | None = None, peers: Mapping[int, Mapping[str, Any]] | None = None,
+        self, root: str | os.PathLike[str], durable: OneTier, retry: RetryPolicy | None, *, keep: int, every: int,
+        max_lag: int, early: bool = False, rank: int | None = None, peers: Mapping[int, Mapping[str, Any]] | None = None,
         exit_flush_seconds: float = 30.0,
     ) -> None:
+        #: the durable tier (the one source of truth for identity, attempts and fencing)
+        self.durable = durable
+        durable_io, durable_attempts, identity_digest, auth = durable.io, durable.attempts, durable.identity_digest, \
+            durable.auth
         self.durable_io = durable_io
         #: how long interpreter exit waits for replication when the store was not closed (``close_flush_seconds``)
         self.exit_flush_seconds = exit_flush_seconds
         self.durable_attempts = durable_attempts
-        self.ledger = ledger
+        self.ledger = durable.ledger
         self.retry = retry or RetryPolicy()
         self.keep, self.every, self.max_lag = keep, every, max_lag
         #: this process's rank in a multi-rank job (its local tier holds its part, ``tiers.parts``); None: one process
@@ -180,7 +183,7 @@ class TierSet:
         #: called with each component name the replicator copied (tests use it to kill at a chosen point)
         self.on_component: Callable[[str], None] | None = None
         #: version 3 (pieces): the window and intent lifetime of both tiers' writers and gc
-        self.piece_timing = piece_timing or PieceTiming()
+        self.piece_timing = durable.timing
         #: version 3: the local piece writer (local saves skip the pieces the local tier holds)
         self.pieces: PieceWriter | None = None
         #: version 3: the replicator's save intent in the durable tier
@@ -198,18 +201,17 @@ class TierSet:
         except CkptStoreError:
             pass
 
-    def prepare(self, view: AttemptView) -> None:
-        """Before the attempt is registered: mirror the run record and attempts."""
+    def prepare(self) -> None:
+        """Before the attempt is registered or joined: mirror the run record and attempts."""
         data = self.durable_io.get_bounded(run_record_key(self.durable_io.run_id), MAX_RUN_RECORD)
-        self.local.mirror(data, view)
+        self.local.mirror(data, self.durable_attempts.load())
 
-    def resume_point(self, catalog: Catalog, view: AttemptView, deep: bool, memo: set[str] | None, writer_id: str
-                     ) -> SaveRef | None:
+    def resume_point(self, view: AttemptView, deep: bool, memo: set[str] | None, writer_id: str) -> SaveRef | None:
         """The newest save complete in either tier (the ``select`` of attempt registration)."""
         durable: SaveRef | None = None
         refused: ResumeRefusedError | None = None
         try:
-            durable = resume_point(catalog, view, deep, memo, self.ledger, writer_id)
+            durable = self.durable.resume_point(view, deep, memo, writer_id)
         except ResumeRefusedError as exc:
             refused = exc
         local, reasons = self.local.select(deep, view, durable)
@@ -262,6 +264,14 @@ class TierSet:
                 reasons.append(f"step {step}: every rank holds its part verified locally")
                 return ref
         return None
+
+    def begin(self, attempt: AttemptRecord, writer_id: str, resumed: SaveRef | None, *, verified: bool,
+              joined: bool) -> None:
+        """``attempt`` was registered (:meth:`start`) or joined by a member rank (:meth:`join`)."""
+        if joined:
+            self.join(attempt, writer_id)
+        else:
+            self.start(attempt, writer_id, resumed, self.durable.newest_step())
 
     def start(self, attempt: AttemptRecord, writer_id: str, resumed: SaveRef | None, durable_newest: int | None) -> None:
         """After registration: mirror the new attempt, record ``resume-tier``,
@@ -317,11 +327,12 @@ class TierSet:
         )
         _OPEN.add(self)
 
-    def resume_from(self, ref: SaveRef) -> None:
+    def adopt_resume_point(self, ref: SaveRef) -> None:
         """A member rank learnt the job's resume point: the coordinator's tier
         decision holds here too; a save only the local tiers hold is queued for
         replication (this rank's part)."""
-        assert self.replicator is not None
+        if self.replicator is None:
+            return
         if ref.tier == "local":
             self.replicator.submit(ref, force=True)
         else:
@@ -362,8 +373,9 @@ class TierSet:
         self.ledger.append(kind, payload, self.attempt.number if self.attempt else None)
 
     # ------------------------------------------------------------------ save
-    def stage(self, step: int, save_id: str) -> StagedSave:
-        """A local save; when the replicator would take it at once, each
+    def stage(self, ctx: WriterContext, step: int, save_id: str) -> StagedSave:
+        """A local save (``ctx``, the durable writer's, is not used: the local
+        tier has its own); when the replicator would take it at once, each
         component is also copied to the durable tier as soon as it is written."""
         assert self.attempt is not None and self.replicator is not None
         ctx = self.local.writer(self.attempt, self.writer_id, self.pieces)
@@ -372,8 +384,9 @@ class TierSet:
         return StagedSave(ctx, step, save_id)
 
     def publish(
-        self, step: int, save_id: str, components: Mapping[str, ComponentEntry], *, metadata: Mapping[str, Any] | None,
-        ranks: Mapping[int, Sequence[str]] | None = None, world_size: int | None = None, expect: Sequence[str] = (),
+        self, ctx: WriterContext, step: int, save_id: str, components: Mapping[str, ComponentEntry], *,
+        metadata: Mapping[str, Any] | None, ranks: Mapping[int, Sequence[str]] | None, world_size: int | None,
+        expect: Sequence[str],
     ) -> SaveRef:
         """Publish locally (the local backend's atomic commit), queue for replication."""
         assert self.attempt is not None and self.replicator is not None
@@ -388,11 +401,19 @@ class TierSet:
                           expect=expect)
         return self._published(ref)
 
-    def publish_record(self, data: bytes) -> SaveRef:
+    def learn_published(self, ref: SaveRef) -> None:
+        """A member rank of a tiered job learns the coordinator's saves by
+        :meth:`publish_record` (version 3 with many ranks and a local tier is
+        refused at open: ``check_combination``)."""
+
+    def publish_record(self, ctx: WriterContext, data: bytes) -> SaveRef:
         """A member rank: publish the coordinator's commit record (its exact
         bytes) in this rank's local tier for this rank's part, queue it for
         replication."""
-        assert self.attempt is not None and self.rank is not None
+        if self.rank is None:
+            raise InvalidInputError("publish_record needs a store opened on many ranks "
+                                    "(ckptstore.distributed.open_distributed(..., local_tier=...))")
+        assert self.attempt is not None
         rec = CommitRecord.decode(data, "the coordinator's commit record", run_id=self.durable_io.run_id)
         if rec.encode() != data:
             raise CorruptionError("the coordinator's commit record is not in canonical form; not published")
@@ -420,10 +441,10 @@ class TierSet:
         self.local.gc(keep_last=self.keep + pending, timing=self.piece_timing)
 
     # ------------------------------------------------------------- selection
-    def select(self, catalog: Catalog, deep: bool, explain: bool) -> Selection:
+    def select(self, deep: bool, explain: bool) -> Selection:
         """The newest save complete in either tier, tier-tagged."""
         try:
-            dsel = catalog.select(deep, explain=explain)
+            dsel = self.durable.select(deep, explain)
         except (StoreUnavailableError, TransientError) as exc:
             # the durable tier is away: the local tier alone, judged by its mirror of the attempts
             local, reasons = self.local.select(deep, None, None, own=True)
@@ -438,8 +459,9 @@ class TierSet:
             chosen = local
         return self.local.explain(dsel, chosen, reasons)
 
-    def list_saves(self, durable: list[SaveInfo], deep: bool, grace: float) -> list[SaveInfo]:
+    def list_saves(self, deep: bool, grace: float) -> list[SaveInfo]:
         """Both tiers' saves, one row per save ID (tier on the ref)."""
+        durable = self.durable.list_saves(deep, grace)
         try:
             local = self.local.catalog.list_saves(self.local.catalog.scan(), deep, grace)
         except CkptStoreError:
@@ -459,42 +481,69 @@ class TierSet:
         return out
 
     def get_save(self, step: int, attempt: int | None) -> SaveRef:
-        """The local commit of ``step`` (not verified), tagged ``local``."""
-        return replace(self.local.catalog.get_save(step, attempt), tier="local")
+        """The durable commit of ``step``, else the local one (tagged ``local``); not verified."""
+        try:
+            return self.durable.get_save(step, attempt)
+        except NotFoundError:
+            return replace(self.local.catalog.get_save(step, attempt), tier="local")
+
+    def newest_step(self) -> int | None:
+        return self.durable.newest_step()
 
     # --------------------------------------------------------------- reading
-    def read(self, ref: SaveRef, durable: Callable[[], T], local: Callable[[], T]) -> T:
-        """Run ``local`` for a save the local tier holds; for one held by both
-        tiers, ``durable`` when the local read fails (a corrupt, truncated or
-        missing local copy never reaches the caller)."""
+    def read(self, ref: SaveRef, how: Callable[[Reader], T]) -> T:
+        """``how`` on the local reader for a save the local tier holds; for one
+        held by both tiers, on the durable reader when the local read fails (a
+        corrupt, truncated or missing local copy never reaches the caller)."""
         if ref.tier == "durable":
-            return durable()
+            return how(self.durable.reader)
         if ref.tier == "local":
-            return local()
+            return how(self.reader)
         try:
-            return local()
+            return how(self.reader)
         except LOCAL_READ_FAILURES:
-            return durable()
+            return how(self.durable.reader)
 
-    def iter_read(self, ref: SaveRef, durable: Callable[[], Iterator[bytes]], local: Callable[[], Iterator[bytes]]
-                  ) -> Iterator[bytes]:
+    def stream(self, ref: SaveRef, how: Callable[[Reader], Iterator[bytes]]) -> Iterator[bytes]:
         """Stream a component of ``ref``: from the local tier when it holds the
         save, and for a save held by both tiers, on from the durable copy at the
         same offset when the local stream fails part way (see :func:`stream_with_fallback`)."""
         if ref.tier == "durable":
-            return durable()
+            return how(self.durable.reader)
         if ref.tier == "local":
-            return local()
-        return stream_with_fallback(local, durable)
+            return how(self.reader)
+        return stream_with_fallback(lambda: how(self.reader), lambda: how(self.durable.reader))
+
+    def verify(self, ref: SaveRef, deep: bool) -> VerifyReport:
+        """The copy ``ref`` names checked: the local one for a local-only save, else the durable one."""
+        return (self.reader if ref.tier == "local" else self.durable.reader).verify(ref, deep=deep)
 
     # ------------------------------------------------------------ operations
+    def queue_event(self, kind: str, payload: Mapping[str, Any]) -> bool:
+        """The durable ledger is away: the replication thread sends the entry when it is back."""
+        if self.replicator is None:
+            return False
+        self.replicator.queue_event(kind, payload)
+        return True
+
     def status(self) -> ReplicationStatus | None:
         return self.replicator.status() if self.replicator is not None else None
 
     def flush(self, timeout: float | None) -> bool:
         return True if self.replicator is None else self.replicator.flush(timeout)
 
-    def gc(self, *, keep_last: int, dry_run: bool, deep: bool, grace_seconds: float) -> GcReport:
+    def is_durable(self, ref: SaveRef) -> bool:
+        """Whether ``ref`` is committed in the durable tier."""
+        if ref.tier in ("durable", "both"):
+            return True
+        if self.replicator is not None and self.replicator.is_durable(ref.save_id):
+            return True
+        try:
+            return self.durable.get_save(ref.step, ref.attempt).manifest_digest == ref.manifest_digest
+        except CkptStoreError:
+            return False
+
+    def gc_local(self, *, keep_last: int, dry_run: bool, deep: bool, grace_seconds: float) -> GcReport:
         return self.local.gc(keep_last=keep_last, dry_run=dry_run, deep=deep, grace_seconds=grace_seconds,
                              timing=self.piece_timing)
 
@@ -523,3 +572,4 @@ class TierSet:
         if self.pieces is not None:
             self.pieces.close()
         self.local.backend.close()
+        self.durable.close(0.0)

@@ -29,18 +29,20 @@ from .errors import (
     UnsupportedBackendError,
 )
 from .identity import RunIdentity, digest_tree
+from .options import AuthOptions, OpenOptions, TierOptions
 from .protocol import PROTOCOL_VERSION
 from .protocol.auth import AuthPolicy, Keyring
 from .protocol.records import ComponentEntry
 from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection, Skip, SkipReason
 from .retry import RetryPolicy
-from .store import DEFAULT_GRACE_SECONDS, CheckpointStore, GcReport, OpenOptions, ReplicationStatus, SaveWriter
+from .store import DEFAULT_GRACE_SECONDS, CheckpointStore, GcReport, ReplicationStatus, SaveWriter
 
 __version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
     "PROTOCOL_VERSION",
+    "AuthOptions",
     "AuthPolicy",
     "GcReport",
     "Keyring",
@@ -48,6 +50,7 @@ __all__ = [
     "PieceTiming",
     "RecordAuth",
     "RetryPolicy",
+    "TierOptions",
     "UnauthenticatedWarning",
     "Backend",
     "Capabilities",

@@ -15,7 +15,6 @@ one place that chooses.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -25,6 +24,7 @@ from .core.one_tier import OneTier
 from .core.pieces import PieceWriter
 from .core.reader import Reader, VerifyReport
 from .core.writer import StagedSave, WriterContext
+from .options import TierOptions
 from .protocol import AttemptRecord, ComponentEntry
 from .protocol.selection import SaveInfo, SaveRef, Selection
 from .retry import RetryPolicy
@@ -81,13 +81,10 @@ class Placement(Protocol):
     def close(self, flush_seconds: float) -> None: ...
 
 
-def open_placement(
-    durable: OneTier, local_tier: str | os.PathLike[str] | None, retry: RetryPolicy | None, *, keep: int, every: int,
-    max_lag: int, early: bool, rank: int | None, peers: Mapping[int, Mapping[str, Any]] | None,
-    close_flush_seconds: float,
-) -> Placement:
+def open_placement(durable: OneTier, tiers: TierOptions | None, retry: RetryPolicy | None) -> Placement:
     """The one choice of placement: ``durable`` alone, or a local tier in front of it."""
-    if local_tier is None:
+    if tiers is None:
         return durable
-    return TierSet(local_tier, durable, retry, keep=keep, every=every, max_lag=max_lag, early=early, rank=rank,
-                   peers=peers, exit_flush_seconds=close_flush_seconds)
+    return TierSet(tiers.path, durable, retry, keep=tiers.keep, every=tiers.replicate_every, max_lag=tiers.max_lag,
+                   early=tiers.early_replication, rank=tiers.rank, peers=tiers.peers,
+                   exit_flush_seconds=tiers.close_flush_seconds)

@@ -12,7 +12,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
 from .backends.base import Backend
@@ -32,6 +31,7 @@ from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id
 from .defaults import DEFAULT_GRACE_SECONDS
 from .errors import CorruptionError, InvalidInputError, StoreUnavailableError
 from .identity import RunIdentity, identity_digest, normalize_identity
+from .options import OpenOptions, check_combination, options_from_keywords
 from .placement import Placement, open_placement
 from .protocol import (
     AttemptRecord,
@@ -43,10 +43,9 @@ from .protocol import (
     validate_run_id,
     validate_step,
 )
-from .protocol.auth import AuthPolicy, Keyring
+from .protocol.auth import AuthPolicy
 from .protocol.records import PieceRef
 from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection
-from .retry import RetryPolicy
 from .tiers.replicator import ReplicationStatus
 
 __all__ = [
@@ -56,81 +55,6 @@ __all__ = [
 
 ResumeFrom = int | None | Literal["latest"]
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class OpenOptions:
-    """Every choice :meth:`CheckpointStore.open` takes besides the URL, the
-    run ID and ``storage_options``, with the same defaults and meanings (see
-    :meth:`CheckpointStore.open`); ``dataclasses.replace`` makes a variant."""
-
-    identity: RunIdentity | Mapping[str, Any] | None = None
-    mode: Literal["r", "w"] | None = None
-    resume_from: ResumeFrom = "latest"
-    retry: RetryPolicy | None = None
-    lineage: Mapping[str, Any] | None = None
-    resume_verify: Literal["deep", "cheap"] = "deep"
-    join_attempt: int | None = None
-    single_writer: bool = False
-    auth_policy: AuthPolicy | str = "off"
-    keyring: Keyring | None = None
-    protocol_version: int | None = None
-    #: version-3 runs (pieces, PROTOCOL.md §9): the window and intent lifetime
-    #: every writer and gc of the run must agree on
-    piece_timing: PieceTiming = PieceTiming()
-    #: a directory on this machine for the fast tier (``docs/tiers.md``); None: one tier
-    local_tier: str | os.PathLike[str] | None = None
-    #: saves kept in the local tier (besides those waiting for replication)
-    local_keep: int = 2
-    #: replicate every K-th local save (the resume point and preemption saves always)
-    replicate_every: int = 1
-    #: saves waiting for replication at most; beyond it the oldest are skipped (newest wins)
-    max_replication_lag: int = 2
-    #: seconds ``close()`` waits for replication before it returns
-    close_flush_seconds: float = 30.0
-    #: copy each component to the durable tier as soon as it is written locally (docs/tiers.md)
-    early_replication: bool = False
-    #: one rank of a multi-rank job (``open_distributed(..., local_tier=...)``): ``local_tier`` is this
-    #: rank's own directory and holds this rank's part of each save (``ckptstore.tiers.parts``)
-    tier_rank: int | None = None
-    #: the coordinator of such a job: what every other rank holds verified locally (the resume decision)
-    tier_peers: Mapping[int, Mapping[str, Any]] | None = None
-
-
-def check_combination(o: OpenOptions, *, pieces: bool) -> None:
-    """The one table of option combinations :meth:`CheckpointStore.open` refuses,
-    each with its reason and fix (``docs/combinations.md``). Run before anything is
-    written, with ``pieces`` the requested version, and again once the run's own
-    version is known (``pieces``: the run stores pieces, protocol version 3)."""
-    pieces = pieces or o.protocol_version == 3
-    if o.local_tier is None:
-        return
-    refused = [
-        (o.join_attempt is not None and o.tier_rank is None,
-         "local_tier with join_attempt needs tier_rank (open the ranks with "
-         "ckptstore.distributed.open_distributed(..., local_tier=...))"),
-        (o.tier_rank is not None and o.tier_rank < 0, "tier_rank must be >= 0"),
-        (o.local_keep < 1 or o.replicate_every < 1 or o.max_replication_lag < 1,
-         "local_keep, replicate_every and max_replication_lag must be at least 1"),
-        # a rank of many copies its part after the local commit (tiers.parts)
-        (o.tier_rank is not None and o.early_replication,
-         "early_replication is for one process; a rank of many replicates its part "
-         "after the local commit (open the job without early_replication)"),
-        # early uploads copy whole components as they are written; a version-3 save is pieces the
-        # replicator copies (only those the durable tier lacks) after the local commit
-        (o.early_replication and pieces,
-         "early_replication is not available on a protocol version 3 run (pieces): "
-         "its replication already copies only the pieces the durable tier lacks; open "
-         "without early_replication, or the run at protocol version 2"),
-        # each rank's replicator carries its own part, the pieces path (tiers.durable_intent) one
-        # process's save: the two are not joined yet
-        (o.tier_rank is not None and pieces,
-         "local_tier on many ranks with a protocol version 3 run (pieces) is not "
-         "supported yet; open the job at protocol version 2, or without local_tier"),
-    ]
-    for hit, why in refused:
-        if hit:
-            raise InvalidInputError(why)
 
 
 def _listed(head: str, items: Sequence[str], limit: int = 8) -> str:
@@ -172,17 +96,23 @@ class CheckpointStore:
       the coordinator's attempt with ``open(..., join_attempt=N)``.
     """
 
-    def __init__(self, backend: Backend, run_id: str, options: OpenOptions | None = None) -> None:
-        """Use :meth:`open` (this constructor takes the same choices as one
-        :class:`OpenOptions`, for code that already holds a :class:`Backend`)."""
-        o = options or OpenOptions()
+    def __init__(
+        self, backend: Backend, run_id: str, options: OpenOptions | None = None, *,
+        identity: RunIdentity | Mapping[str, Any] | None = None, mode: Literal["r", "w"] | None = None,
+        resume_from: ResumeFrom = "latest", join_attempt: int | None = None,
+    ) -> None:
+        """Use :meth:`open` (this constructor takes the same arguments, for code
+        that already holds a :class:`Backend`)."""
+        o = options if options is not None else OpenOptions()
+        if not isinstance(o, OpenOptions):
+            raise InvalidInputError(f"options must be an OpenOptions, got {type(o).__name__}")
         #: the choices this store was opened with
         self.options = o
-        identity, mode, resume_from, resume_verify = o.identity, o.mode, o.resume_from, o.resume_verify
-        join_attempt, single_writer, lineage, protocol_version = o.join_attempt, o.single_writer, o.lineage, o.protocol_version
-        retry, auth_policy, keyring = o.retry, o.auth_policy, o.keyring
+        resume_verify, single_writer, lineage, protocol_version = o.resume_verify, o.single_writer, o.lineage, \
+            o.protocol_version
+        retry = o.retry
         self.backend = backend
-        self.auth = self._auth = RecordAuth(auth_policy, keyring)  # public: plug-ins tag their own files with it
+        self.auth = self._auth = RecordAuth(o.auth.policy, o.auth.keyring)  # public: plug-ins tag their own files
         self._resume_deep = resume_verify == "deep"
         self.run_id = validate_run_id(run_id)
         self.mode: Literal["r", "w"] = check_open_args(mode or ("w" if identity is not None else "r"),
@@ -196,7 +126,7 @@ class CheckpointStore:
         self.resumed_from: SaveRef | None = None
         requested = normalize_identity(identity) if identity is not None else None
         version = layout_of(protocol_version) if protocol_version is not None else None
-        check_combination(o, pieces=False)  # before anything is written (the run's own version: below)
+        check_combination(o, pieces=False, joined=join_attempt is not None)  # before anything is written
         if self.mode == "w":
             check_can_write(backend, requested, join_attempt, single_writer)
             assert requested is not None
@@ -205,15 +135,13 @@ class CheckpointStore:
             self.identity = read_identity(self._io, requested, self._auth, version)
         self.identity_digest = identity_digest(self.identity)
         self._durable = OneTier(self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
-                                o.piece_timing)
+                                o.pieces)
         self._catalog, self._reader = self._durable.catalog, self._durable.reader
-        check_combination(o, pieces=self._io.layout.pieces)  # the run's own version decides (an existing run)
-        self._close_flush = o.close_flush_seconds
+        # the run's own version decides (an existing run)
+        check_combination(o, pieces=self._io.layout.pieces, joined=join_attempt is not None)
+        self._close_flush = o.tiers.close_flush_seconds if o.tiers is not None else 0.0
         #: where the saves live (``ckptstore.placement``): every tier-dependent step is delegated to it
-        self._place: Placement = open_placement(
-            self._durable, o.local_tier, o.retry, keep=o.local_keep, every=o.replicate_every,
-            max_lag=o.max_replication_lag, early=o.early_replication, rank=o.tier_rank, peers=o.tier_peers,
-            close_flush_seconds=o.close_flush_seconds)
+        self._place: Placement = open_placement(self._durable, o.tiers, o.retry)
         if self.mode == "w":
             self._place.prepare()
             if join_attempt is not None:
@@ -225,7 +153,7 @@ class CheckpointStore:
                     lambda v: self._place.resume_point(v, self._resume_deep, memo, self.writer_id))
             self._place.begin(self.attempt, self.writer_id, self.resumed_from, verified=self._resume_deep,
                               joined=join_attempt is not None)
-        self._piece_timing = o.piece_timing
+        self._piece_timing = o.pieces
 
     @property
     def damaged_pieces(self) -> list[str]:
@@ -247,30 +175,17 @@ class CheckpointStore:
         identity: RunIdentity | Mapping[str, Any] | None = None,
         mode: Literal["r", "w"] | None = None,
         resume_from: ResumeFrom = "latest",
+        options: OpenOptions | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        lineage: Mapping[str, Any] | None = None,
-        resume_verify: Literal["deep", "cheap"] = "deep",
         join_attempt: int | None = None,
-        single_writer: bool = False,
-        auth_policy: AuthPolicy | str = "off",
-        keyring: Keyring | None = None,
-        protocol_version: int | None = None,
-        piece_timing: PieceTiming | None = None,
-        local_tier: str | os.PathLike[str] | None = None,
-        local_keep: int = 2,
-        replicate_every: int = 1,
-        max_replication_lag: int = 2,
-        close_flush_seconds: float = 30.0,
-        early_replication: bool = False,
-        tier_rank: int | None = None,
-        tier_peers: Mapping[int, Mapping[str, Any]] | None = None,
+        **deprecated: Any,
     ) -> CheckpointStore:
         """Open run ``run_id`` in the store at ``url``.
 
         ``url``: a directory path, ``file://``, ``memory://NAME``, ``s3://bucket/prefix``,
         ``gs://bucket/prefix`` (or ``gcs://``), any scheme a plug-in registered
-        (:mod:`ckptstore.backends.schemes`), or a :class:`Backend`.
+        (:mod:`ckptstore.backends.schemes`), or a :class:`Backend`;
+        ``storage_options``: the backend's own settings (credentials, endpoint).
 
         Writing (``mode="w"``, default when ``identity`` is given): a new run's
         identity record is created exclusively; an existing run's identity must
@@ -281,62 +196,27 @@ class CheckpointStore:
         ``join_attempt=N`` nothing is registered: the store writes as a member
         of attempt ``N``, which a coordinator registered for the whole job
         (:class:`SupersededError` if a later attempt was registered since).
-
-        The resume point is chosen with a deep check by default (every byte of
-        the candidate re-hashed), so a bit flip at rest never becomes the
-        attempt's resume point; ``resume_verify="cheap"`` checks sizes only and
-        leaves digest verification to the restore (which always verifies).
-
         Inside a torch.distributed job of more than one rank, opening for
-        writing without ``join_attempt`` is refused unless ``single_writer=True``.
+        writing without ``join_attempt`` is refused unless
+        ``OpenOptions(single_writer=True)``.
 
         Reading (``mode="r"``): the run must exist; nothing is written.
 
-        Authenticated records (``auth_policy``, default ``"off"``): with a
-        ``keyring`` (or ``CKPTSTORE_AUTH_KEYS`` in the environment) every
-        record this store writes carries a keyed-BLAKE3 tag. ``"warn"`` uses
-        unauthenticated records with an :class:`UnauthenticatedWarning`;
-        ``"require"`` refuses them: selection skips such commits, such attempt
-        records fence nothing and stop gc, and an unauthenticated run is not
-        opened. See ``protocol_spec/THREATS.md``.
-
-        ``protocol_version``: of a run this call creates (default 2; 1 keeps
-        it readable by releases that know only 1; 3 stores saves as pieces
-        addressed by content, so what did not change is not written again —
-        PROTOCOL.md §9). An existing run keeps its own: another is refused.
-        ``piece_timing``: version 3 only, the window and intent lifetime every
-        writer and gc of the run must share (:class:`~ckptstore.core.pieces.PieceTiming`).
-
-        Two tiers (``local_tier="/nvme/ckpt"``, ``docs/tiers.md``): ``url`` is the durable tier,
-        the one source of truth for identity, attempts and fencing; each save is committed in the
-        local directory first (same save ID, same manifest digest) and made durable by a background
-        thread (every ``replicate_every``-th save; at most ``max_replication_lag`` waiting, the newest
-        wins). The local tier keeps ``local_keep`` saves. ``early_replication``: each component is
-        copied to the durable tier as soon as its local write returns, not after the local commit
-        (durable sooner, at the cost of local-save speed when the two compete for cores or disk).
-        Selection and the resume point take the newest
-        save complete in either tier; a local copy is used only when its attempt counts in the durable
-        records and it verifies, else the durable copy, else an older save (``resume-tier`` event).
-        ``tier_rank`` / ``tier_peers``: set by :func:`ckptstore.distributed.open_distributed` for a
-        job of many ranks (``local_tier`` is then the job's tier root and the rank's own folder
-        ``<local_tier>/rank-<r>`` holds that rank's part of each save; ``docs/tiers.md`` "Many ranks");
-        not for direct use. Below ``local_tier`` nothing is followed: a link or non-directory at the
-        rank folder, the run's folder or ``.quarantine``, or a tier whose run folder is (or lies inside,
-        or holds) the durable run's folder, is :class:`~ckptstore.errors.LocalTierRefusedError`
-        (``docs/tiers.md`` "What the tier refuses").
+        ``options``: how the store behaves, one :class:`~ckptstore.options.OpenOptions`
+        (each field is documented there: the resume check, the protocol version
+        of a new run, authenticated records, two tiers, the retry policy). The
+        flat keywords of earlier releases (``local_tier=``, ``auth_policy=``,
+        ``protocol_version=``, ...) still work for this release, with a
+        :class:`DeprecationWarning` (``ckptstore.options.options_from_keywords``).
+        A combination that cannot work is refused here, before anything is
+        written, with the reason and the fix (``docs/combinations.md``).
         """
         from .backends.schemes import backend_from_url
 
+        o = options_from_keywords(options, deprecated, "CheckpointStore.open")
         backend = url if isinstance(url, Backend) else backend_from_url(url, storage_options=storage_options)
-        return cls(backend, run_id, OpenOptions(
-            identity=identity, mode=mode, resume_from=resume_from, retry=retry, lineage=lineage,
-            resume_verify=resume_verify, join_attempt=join_attempt, single_writer=single_writer,
-            auth_policy=auth_policy, keyring=keyring, protocol_version=protocol_version,
-            local_tier=local_tier, local_keep=local_keep, replicate_every=replicate_every,
-            max_replication_lag=max_replication_lag, close_flush_seconds=close_flush_seconds,
-            piece_timing=piece_timing or PieceTiming(), early_replication=early_replication,
-            tier_rank=tier_rank, tier_peers=tier_peers,
-        ))
+        return cls(backend, run_id, o, identity=identity, mode=mode, resume_from=resume_from,
+                   join_attempt=join_attempt)
 
     @property
     def run_record(self) -> dict[str, Any]:

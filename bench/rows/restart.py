@@ -83,13 +83,13 @@ def restart_child(url: str, run_id: str, quick: bool, verify: str = "cheap") -> 
     import torch
 
     t_torch = time.time()
-    from ckptstore import CheckpointStore
+    from ckptstore import CheckpointStore, OpenOptions
     from ckptstore.torch import Checkpointer
 
     t_imported = time.time()
     model, opt, x, y = build(quick)
     t_built = time.time()
-    st = CheckpointStore.open(url, run_id, identity=IDENTITY, resume_verify=verify)  # type: ignore[arg-type]
+    st = CheckpointStore.open(url, run_id, identity=IDENTITY, options=OpenOptions(resume_verify=verify))  # type: ignore[arg-type]
     t_opened = time.time()
     ck = Checkpointer(st, {"model": model, "optimizer": opt}, every_steps=EVERY, handle_signals=False)
     start = ck.resume()

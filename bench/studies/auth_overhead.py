@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ckptstore import CheckpointStore
+from ckptstore import AuthOptions, CheckpointStore, OpenOptions
 from ckptstore.protocol.auth import Keyring
 
 KEYS = Keyring({"bench": os.urandom(32)})
@@ -32,7 +32,8 @@ def main() -> None:
     root = tempfile.mkdtemp(dir=a.dir)
     stores = {
         "off": CheckpointStore.open(root, "off", identity={"d": 1}),
-        "require": CheckpointStore.open(root, "req", identity={"d": 1}, auth_policy="require", keyring=KEYS),
+        "require": CheckpointStore.open(root, "req", identity={"d": 1},
+                                        options=OpenOptions(auth=AuthOptions("require", KEYS))),
     }
     save_t: dict[str, list[float]] = {k: [] for k in stores}
     for i in range(a.saves):
@@ -44,7 +45,8 @@ def main() -> None:
             save_t[name].append(time.perf_counter() - t)
     readers = {
         "off": CheckpointStore.open(root, "off", mode="r"),
-        "require": CheckpointStore.open(root, "req", mode="r", auth_policy="require", keyring=KEYS),
+        "require": CheckpointStore.open(root, "req", mode="r",
+                                        options=OpenOptions(auth=AuthOptions("require", KEYS))),
     }
     sel_t: dict[str, list[float]] = {k: [] for k in readers}
     for i in range(300):

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
-    from ckptstore import CheckpointStore
+    from ckptstore import CheckpointStore, OpenOptions
 
     if a.what in ("list_saves", "latest"):
         from bench.rows.history import RUN, make_history
@@ -86,7 +86,7 @@ def main() -> None:
             return
 
         def resume() -> None:
-            s = CheckpointStore.open(d, "prof", identity=IDENTITY, resume_verify=a.verify)
+            s = CheckpointStore.open(d, "prof", identity=IDENTITY, options=OpenOptions(resume_verify=a.verify))
             Checkpointer(s, {"model": model, "optimizer": opt}, async_save=False, handle_signals=False).resume()
 
         resume()  # warm page cache
@@ -103,7 +103,7 @@ def resume_parts(d: str, model: Any, opt: Any, rounds: int) -> str:
 
     from bench import torchstate as ts
     from bench.common import read_file
-    from ckptstore import CheckpointStore
+    from ckptstore import CheckpointStore, OpenOptions
     from ckptstore.torch.restore import apply_state, check_fit, read_with_fallback
     from ckptstore.torch.tensor_read import fresh_buffer
 
@@ -122,7 +122,7 @@ def resume_parts(d: str, model: Any, opt: Any, rounds: int) -> str:
 
     def ours() -> None:
         t = time.perf_counter()
-        st = CheckpointStore.open(d, "prof", identity=IDENTITY, resume_verify="cheap")
+        st = CheckpointStore.open(d, "prof", identity=IDENTITY, options=OpenOptions(resume_verify="cheap"))
         t = note("ours: open (cheap)", t)
         assert st.resumed_from is not None
         saved, ref = read_with_fallback(st, st.resumed_from, None, objs)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ckptstore import CheckpointStore
+from ckptstore import CheckpointStore, OpenOptions
 from ckptstore.core.pieces import PieceTiming
 from ckptstore.torch import Checkpointer
 
@@ -70,7 +70,8 @@ def run_saves(root: Path, version: int, frozen_share: float, mib: int, saves: in
     first, bytes written by the last, the best of ``restore_repeats`` restores."""
     path = root / f"v{version}-{frozen_share}-{full_ft}"
     m, o = model(mib, frozen_share)
-    store = CheckpointStore.open(path, "run", identity=IDENT, protocol_version=version, piece_timing=timing)
+    store = CheckpointStore.open(path, "run", identity=IDENT,
+                                 options=OpenOptions(protocol_version=version, pieces=timing))
     ck = Checkpointer(store, {"model": m, "optimizer": o}, async_save=False, handle_signals=False)
     ck.resume()
     times: list[float] = []
@@ -92,7 +93,7 @@ def run_saves(root: Path, version: int, frozen_share: float, mib: int, saves: in
     for _ in range(restore_repeats):  # the best of a few restores (each opens the store afresh)
         m2, o2 = model(mib, frozen_share)
         t = time.perf_counter()
-        ck2 = Checkpointer(CheckpointStore.open(path, "run", identity=IDENT, resume_verify="cheap"),
+        ck2 = Checkpointer(CheckpointStore.open(path, "run", identity=IDENT, options=OpenOptions(resume_verify="cheap")),
                            {"model": m2, "optimizer": o2}, async_save=False, handle_signals=False)
         ck2.resume()
         restores.append(time.perf_counter() - t)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import blake3  # noqa: E402
 
-from ckptstore import CheckpointStore  # noqa: E402
+from ckptstore import CheckpointStore, OpenOptions, TierOptions  # noqa: E402
 from ckptstore.backends.fsspec_base import PART_SIZE  # noqa: E402
 from ckptstore.backends.schemes import backend_from_url  # noqa: E402
 from devservers.servers import BUCKET, SERVERS  # noqa: E402
@@ -116,8 +116,8 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
             # then the same with early_replication: components uploaded as soon as their local write returned
             for early, committed, durable in ((False, local_commit, durable_t), (True, early_local, early_durable)):
                 _, b = s3()
-                st = CheckpointStore.open(b, "r", identity={"b": 1}, local_tier=local_dir(),  # type: ignore[arg-type]
-                                          early_replication=early)
+                st = CheckpointStore.open(b, "r", identity={"b": 1}, options=OpenOptions(  # type: ignore[arg-type]
+                                              tiers=TierOptions(local_dir(), early_replication=early)))
                 t = time.perf_counter()
                 put_all(st, 1)
                 committed.append(time.perf_counter() - t)
@@ -147,7 +147,7 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
         # ---- row 4: restart from the local tier / durable tier vs the verified-restore floor
         url, b = s3()
         loc = local_dir()
-        st = CheckpointStore.open(b, "r", identity={"b": 1}, local_tier=loc)  # type: ignore[arg-type]
+        st = CheckpointStore.open(b, "r", identity={"b": 1}, options=OpenOptions(tiers=TierOptions(loc)))  # type: ignore[arg-type]
         put_all(st, 1)
         assert st.flush(600)
         sid = st.latest_complete().save_id  # type: ignore[union-attr]
@@ -174,8 +174,8 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
 
             def restart(local_tier: str | None) -> tuple[float, float]:
                 t0 = time.perf_counter()
-                s = CheckpointStore.open(backend_from_url(url, storage_options=opts), "r", mode="r",
-                                         local_tier=local_tier)
+                s = CheckpointStore.open(backend_from_url(url, storage_options=opts), "r", mode="r", options=OpenOptions(
+                                         tiers=TierOptions(local_tier) if local_tier is not None else None))
                 ref = s.latest_complete()
                 assert ref is not None
                 t1 = time.perf_counter()
@@ -229,7 +229,8 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
             copies.append(time.perf_counter() - t)
         results = {}
         for name, make in [
-            ("tiered", lambda: CheckpointStore.open(s3()[1], "r", identity={"b": 1}, local_tier=local_dir())),  # type: ignore[arg-type]
+            ("tiered", lambda: CheckpointStore.open(s3()[1], "r", identity={"b": 1},
+                                                          options=OpenOptions(tiers=TierOptions(local_dir())))),  # type: ignore[arg-type]
             ("s3", lambda: CheckpointStore.open(s3()[1], "r", identity={"b": 1})),  # type: ignore[arg-type]
             ("local", lambda: CheckpointStore.open(local_dir(), "r", identity={"b": 1})),
         ]:

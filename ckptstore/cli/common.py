@@ -14,6 +14,7 @@ from ..backends.schemes import backend_from_url
 from ..defaults import BUDGET_GPU_HOURS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
 from ..errors import ExtraRequiredError, InvalidInputError, NotFoundError
 from ..ops.budget import MIN_STEP_SECONDS
+from ..options import AuthOptions, OpenOptions, TierOptions
 from ..store import CheckpointStore
 from .output import parse_options
 
@@ -55,9 +56,9 @@ def open_store(args: argparse.Namespace, *, default_policy: str = "off") -> Chec
     policy = getattr(args, "auth_policy", None) or ("warn" if key_file and default_policy == "off" else default_policy)
     keyring = (keyring_from_file(key_file) if key_file else keyring_from_env()) if policy != "off" else None
     backend = read_only_backend(args.url, parse_options(getattr(args, "storage_option", None)))
-    return CheckpointStore.open(
-        backend, args.run, mode="r", auth_policy=policy, keyring=keyring, local_tier=getattr(args, "local_tier", None),
-    )
+    local = getattr(args, "local_tier", None)
+    return CheckpointStore.open(backend, args.run, mode="r", options=OpenOptions(
+        auth=AuthOptions(policy, keyring), tiers=TierOptions(local) if local is not None else None))
 
 
 def check_output_file(path: str | None, flag: str, suffix: str = "") -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import CkptStoreError
+from ..options import AuthOptions, OpenOptions
 from ..store import CheckpointStore
 from ..util.redact import redact_text
 from ..util.terminal import sanitize
@@ -102,7 +103,7 @@ def cmd_verify_artifact(args: argparse.Namespace) -> int:
             emit(args, {"ok": False, "problems": [str(exc)]}, f"ARTIFACT INVALID: {esc(str(exc))}")
             return 1
         store = CheckpointStore.open(read_only_backend(args.store, parse_options(args.store_option)), run_id,
-                                     mode="r", auth_policy=policy, keyring=keyring)
+                                     mode="r", options=OpenOptions(auth=AuthOptions(policy, keyring)))
     with progress("verify artifact", 0, quiet=args.json) as bar:
         rep = verify_artifact(args.dir, store=store, keyring=keyring, require_auth=policy == "require",
                               storage_options=opts, on_file=lambda name, n: bar.advance(n, label=name))

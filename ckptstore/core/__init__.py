@@ -47,6 +47,7 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     core.resume_point         the save a writer resumes from
     core.signing              signing an existing run after the fact
     core.one_tier             the one-tier placement: saves in the backend alone
+    options                   the one options object and the one table of refused combinations
     tiers.tier_dir            the tier's folders opened without following links, kept apart from the durable run
     tiers.local               the local tier: mirror, selection judged by durable attempts, gc
     tiers.durable_intent      the replicator's save intent in the durable tier (version 3)

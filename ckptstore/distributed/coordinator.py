@@ -30,7 +30,7 @@ from typing import Any, Literal, Self
 
 import torch.distributed as dist
 
-from .. import PieceTiming, RecordAuth
+from .. import RecordAuth
 from .. import protocol as P
 from ..core.pieces import PieceDeadline, check_deadlines
 from ..errors import (
@@ -42,10 +42,10 @@ from ..errors import (
     SaveAbortedError,
 )
 from ..identity import RunIdentity, identity_digest, normalize_identity
+from ..options import AuthOptions, OpenOptions, options_from_keywords
 from ..protocol.auth import AuthPolicy, Keyring
 from ..protocol.records import PieceRef, pieces_digest
 from ..protocol.selection import SaveRef
-from ..retry import RetryPolicy
 from ..store import CheckpointStore
 from ..tiers.parts import local_holdings
 from .agreement import FlagAgreement, PeerLostError
@@ -362,22 +362,13 @@ def open_distributed(
     *,
     identity: RunIdentity | Mapping[str, Any],
     group: dist.ProcessGroup | None = None,
+    options: OpenOptions | None = None,
+    resume_from: int | None | Literal["latest"] = "latest",
+    reshard: bool = False,
     timeout: float = 300.0,
     save_timeout: float = 1800.0,
     storage_options: Mapping[str, Any] | None = None,
-    resume_from: int | None | Literal["latest"] = "latest",
-    resume_verify: Literal["deep", "cheap"] = "deep",
-    reshard: bool = False,
-    retry: RetryPolicy | None = None,
-    local_tier: str | os.PathLike[str] | None = None,
-    local_keep: int = 2,
-    replicate_every: int = 1,
-    max_replication_lag: int = 2,
-    close_flush_seconds: float = 30.0,
-    piece_timing: PieceTiming | None = None,
-    auth_policy: AuthPolicy | str = "off",
-    keyring: Keyring | None = None,
-    protocol_version: int | None = None,
+    **deprecated: Any,
 ) -> DistributedRun:
     """Open ``run_id`` for writing from every rank of ``group`` (collective).
 
@@ -398,53 +389,49 @@ def open_distributed(
     how much longer than ``timeout`` the other ranks wait for the outcome of
     the open, which includes the deep check of the resume point).
 
-    Two tiers (``local_tier="/nvme/ckpt"``, ``docs/tiers.md`` "Many ranks"): ``url`` is the
-    durable tier; rank ``r`` keeps its local tier in ``<local_tier>/rank-<r>`` on its own
-    node's disk, holding its own part of every save under the same commit record bytes as
-    the durable commit. Each rank's background thread uploads its own components; the
-    coordinator's creates the durable commit once every rank's part is listed there. The
-    job resumes from the local tiers only when every rank holds its part of the chosen save
-    verified (all ranks or none, ``resume-tier`` event with every rank's reasons); otherwise
-    every rank reads the durable copy. ``local_keep``, ``replicate_every``,
-    ``max_replication_lag`` and ``close_flush_seconds`` are :meth:`CheckpointStore.open`'s.
+    ``options``: one :class:`~ckptstore.options.OpenOptions` for every rank's
+    store, with the meanings documented there (the flat keywords of earlier
+    releases still work for this release, with a :class:`DeprecationWarning`).
+    On many ranks:
 
-    ``piece_timing``: a version-3 run's window and intent lifetime
-    (:class:`~ckptstore.core.pieces.PieceTiming`), the same on every rank.
-    Each rank writes its own pieces, skips those of the newest commit it
-    knows, and checks its own save intent before it reports its inventory;
-    the coordinator re-checks every rank's deadlines and that every piece is
-    present before it publishes (PROTOCOL.md §9.4).
-
-    ``auth_policy``, ``keyring``, ``protocol_version``: what they mean to
-    :meth:`CheckpointStore.open`, for every rank's store. Keys come from
-    ``keyring=`` or, when it is None, ``CKPTSTORE_AUTH_KEYS`` in each rank's
-    environment (the same on every rank). Under ``"require"`` every record
-    any rank writes carries a tag and every record any rank reads is
-    verified (the coordinator's commit records, the attempt a member joins,
-    the local-tier records each rank holds). Every rank must pass the same
-    policy, the same key IDs (the same active one) and the same
-    ``protocol_version``: the hello exchange compares them (the keys
-    themselves never leave a rank) and a mismatch, or a rank that cannot
-    use its choice (``"require"`` without a key), is refused on every rank
-    with an :class:`InvalidInputError` that names the rank and the fix.
-    ``protocol_version=3`` creates a version-3 run (pieces) with the job's
-    one attempt; an existing run keeps its own version.
+    * Two tiers (``OpenOptions(tiers=TierOptions("/nvme/ckpt"))``, ``docs/tiers.md`` "Many
+      ranks"): ``url`` is the durable tier; rank ``r`` keeps its local tier in
+      ``<path>/rank-<r>`` on its own node's disk, holding its own part of every save under
+      the same commit record bytes as the durable commit. Each rank's background thread
+      uploads its own components; the coordinator's creates the durable commit once every
+      rank's part is listed there. The job resumes from the local tiers only when every
+      rank holds its part of the chosen save verified (all ranks or none, ``resume-tier``
+      event with every rank's reasons); otherwise every rank reads the durable copy.
+    * Version 3 (pieces): each rank writes its own pieces, skips those of the newest
+      commit it knows, and checks its own save intent before it reports its inventory; the
+      coordinator re-checks every rank's deadlines and that every piece is present before
+      it publishes (PROTOCOL.md §9.4). ``protocol_version=3`` creates a version-3 run with
+      the job's one attempt; an existing run keeps its own version.
+    * Authenticated records: keys come from ``options.auth.keyring`` or, when it is None,
+      ``CKPTSTORE_AUTH_KEYS`` in each rank's environment (the same on every rank). Under
+      ``"require"`` every record any rank writes carries a tag and every record any rank
+      reads is verified. Every rank must pass the same policy, the same key IDs (the same
+      active one) and the same ``protocol_version``: the hello exchange compares them (the
+      keys themselves never leave a rank) and a mismatch, or a rank that cannot use its
+      choice (``"require"`` without a key), is refused on every rank with an
+      :class:`InvalidInputError` that names the rank and the fix.
 
     Every rank must make the same collective calls (open, each ``save``) in
     the same order, from one thread at a time.
     """
     ch = Channel(group, timeout=timeout, name=P.validate_run_id(run_id))
     try:
-        tiers = None if local_tier is None else _TierArgs(local_tier, local_keep, replicate_every,
-                                                          max_replication_lag, close_flush_seconds)
+        o = options_from_keywords(options, deprecated, "open_distributed")
         tag = ch.next()
-        auth, hello = _rank_choices(ch.rank, auth_policy, keyring, protocol_version)
+        auth, hello = _rank_choices(ch.rank, o.auth.policy, o.auth.keyring, o.protocol_version)
+        # the keys resolved once, here: every store of this rank uses them
+        o = replace(o, auth=AuthOptions(auth.policy, auth.keyring))
         args = _OpenArgs(url, run_id, _identity_dict(identity), timeout, save_timeout, storage_options, resume_from,
-                         resume_verify, reshard, retry, piece_timing or PieceTiming(), tiers, auth, protocol_version)
+                         reshard, o)
         hello["identity_digest"] = identity_digest(args.identity)
-        if tiers is not None and not ch.is_coordinator and "error" not in hello:
+        if o.tiers is not None and not ch.is_coordinator and "error" not in hello:
             # what this rank holds verified in its own local tier, for the coordinator's resume decision
-            held, why = local_holdings(tiers.root, args.run_id, ch.rank,
+            held, why = local_holdings(o.tiers.path, args.run_id, ch.rank,
                                        identity_digest(args.identity), auth)
             hello["local"] = {"held": held, "reasons": why[:20]}
         ch.post(tag, "hello", hello)
@@ -454,23 +441,6 @@ def open_distributed(
     except BaseException:
         ch.close()  # stop its heartbeat
         raise
-
-
-@dataclass(frozen=True)
-class _TierArgs:
-    """The two-tier choices of :func:`open_distributed`."""
-
-    root: str | os.PathLike[str]
-    keep: int
-    every: int
-    max_lag: int
-    close_flush: float
-
-    def options(self, rank: int, peers: Mapping[int, Mapping[str, Any]] | None) -> dict[str, Any]:
-        """:meth:`CheckpointStore.open` keywords of rank ``rank``."""
-        return {"local_tier": self.root, "tier_rank": rank, "tier_peers": peers,
-                "local_keep": self.keep, "replicate_every": self.every, "max_replication_lag": self.max_lag,
-                "close_flush_seconds": self.close_flush}
 
 
 @dataclass(frozen=True)
@@ -484,19 +454,18 @@ class _OpenArgs:
     save_timeout: float
     storage_options: Mapping[str, Any] | None
     resume_from: int | None | Literal["latest"]
-    resume_verify: Literal["deep", "cheap"]
     reshard: bool
-    retry: RetryPolicy | None
-    piece_timing: PieceTiming
-    tiers: _TierArgs | None
-    auth: RecordAuth
-    protocol_version: int | None
+    #: every rank's store options (the keys resolved)
+    options: OpenOptions
 
-    def store_options(self) -> dict[str, Any]:
-        """:meth:`CheckpointStore.open` keywords every rank's store shares (the keys resolved once, here)."""
-        return {"storage_options": self.storage_options, "retry": self.retry, "piece_timing": self.piece_timing,
-                "auth_policy": self.auth.policy, "keyring": self.auth.keyring,
-                "protocol_version": self.protocol_version}
+    @property
+    def tiered(self) -> bool:
+        return self.options.tiers is not None
+
+    def rank_options(self, rank: int, peers: Mapping[int, Mapping[str, Any]] | None) -> OpenOptions:
+        """The store options of rank ``rank`` (tiered: its rank and, on the coordinator, what the others hold)."""
+        o = self.options
+        return o if o.tiers is None else replace(o, tiers=replace(o.tiers, rank=rank, peers=peers))
 
 
 #: the choices every rank of a job must make alike, as the hello names them
@@ -558,12 +527,13 @@ def _open_as_coordinator(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
     err: BaseException | None = None
     try:
         # tiered: each rank re-hashes its newest local parts before it says hello (bounded like a save)
-        hellos = ch.gather(tag, "hello", timeout=a.timeout + a.save_timeout if a.tiers is not None else None)
+        hellos = ch.gather(tag, "hello", timeout=a.timeout + a.save_timeout if a.tiered else None)
         _check_hellos(a.run_id, ch.rank, hellos, a)
         peers = {r: dict(h.get("local") or {}) for r, h in sorted(hellos.items()) if r != ch.rank}
         store, resharded = _coordinator_open(
-            a.url, a.run_id, a.identity, ch.world_size, resume_from=a.resume_from, resume_verify=a.resume_verify,
-            reshard=a.reshard, shared=a.store_options(), tiered=a.tiers.options(0, peers) if a.tiers is not None else {},
+            a.url, a.run_id, a.identity, ch.world_size, resume_from=a.resume_from, reshard=a.reshard,
+            options=replace(a.rank_options(0, peers), single_writer=True),  # the job's one coordinator
+            storage_options=a.storage_options,
         )
         assert store.attempt is not None
         outcome: dict[str, Any] = {
@@ -606,7 +576,7 @@ def _open_as_member(ch: Channel, tag: str, a: _OpenArgs) -> DistributedRun:
     try:
         member = CheckpointStore.open(
             a.url, a.run_id, identity=outcome["identity"], join_attempt=int(outcome["attempt"]),
-            **a.store_options(), **(a.tiers.options(ch.rank, None) if a.tiers is not None else {}),
+            options=a.rank_options(ch.rank, None), storage_options=a.storage_options,
         )
         if outcome["resumed_from"] is not None and member.resumed_from is None:
             # the coordinator's tier decision holds on every rank (all ranks local, or all durable)
@@ -634,13 +604,12 @@ def _coordinator_open(
     world_size: int,
     *,
     resume_from: int | None | Literal["latest"],
-    resume_verify: Literal["deep", "cheap"],
     reshard: bool,
-    shared: Mapping[str, Any],
-    tiered: Mapping[str, Any],
+    options: OpenOptions,
+    storage_options: Mapping[str, Any] | None,
 ) -> tuple[CheckpointStore, dict[str, Any] | None]:
-    """The coordinator's store: the run bound (or created, at ``shared["protocol_version"]``)
-    and the job's one attempt registered. ``shared``: :meth:`_OpenArgs.store_options`."""
+    """The coordinator's store: the run bound (or created, at ``options.protocol_version``)
+    and the job's one attempt registered."""
     want = ident.get("world_size")
     if want is not None and want != world_size:
         raise WorldSizeMismatchError(
@@ -648,11 +617,8 @@ def _coordinator_open(
         )
 
     def _open(identity: dict[str, Any]) -> CheckpointStore:
-        return CheckpointStore.open(
-            url, run_id, identity=identity, resume_from=resume_from, resume_verify=resume_verify,
-            single_writer=True,  # the job's one coordinator
-            **shared, **tiered,
-        )
+        return CheckpointStore.open(url, run_id, identity=identity, resume_from=resume_from, options=options,
+                                    storage_options=storage_options)
 
     resharded: dict[str, Any] | None = None
     try:

@@ -296,8 +296,9 @@ class RankStore:
         if not run.is_coordinator:
             old = run.store
             try:
-                new = CheckpointStore(old.backend, old.run_id, replace(
-                    old.options, identity=old.identity, mode="w", join_attempt=attempt, tier_peers=None))
+                o = old.options
+                o = o if o.tiers is None else replace(o, tiers=replace(o.tiers, peers=None))
+                new = CheckpointStore(old.backend, old.run_id, o, identity=old.identity, mode="w", join_attempt=attempt)
             except CkptStoreError as exc:
                 raise CkptStoreError(
                     f"rank {run.rank}: cannot join the fallback attempt {attempt} of run {old.run_id!r}: {exc}"

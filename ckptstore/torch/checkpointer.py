@@ -57,20 +57,20 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from .. import (
-    AuthPolicy,
     Backend,
     CheckpointStore,
     InvalidInputError,
-    Keyring,
-    RetryPolicy,
+    OpenOptions,
     RunIdentity,
     SaveRef,
 )
+from ..options import FLAT_KEYWORDS, options_from_keywords
 from . import retention
 from .codec import flatten
 from .contract import CheckpointerStore
@@ -181,33 +181,26 @@ class Checkpointer:
         identity: RunIdentity | Mapping[str, Any],
         objects: Mapping[str, Any],
         *,
+        options: OpenOptions | None = None,
         resume_from: int | None | Literal["latest"] = "latest",
         storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        lineage: Mapping[str, Any] | None = None,
-        auth_policy: AuthPolicy | str = "off",
-        keyring: Keyring | None = None,
-        protocol_version: int | None = None,
-        local_tier: str | os.PathLike[str] | None = None,
-        **options: Any,
+        **keywords: Any,
     ) -> Checkpointer:
         """Open run ``run_id`` of the store at ``url`` for writing and build a
         Checkpointer of ``objects`` on it: the fast path, in one call.
 
-        The store is opened with the resume point chosen by its sizes
-        (``resume_verify="cheap"``): its digests are checked once, by
-        :meth:`resume`, while its bytes are read into memory, and a save that
-        fails that check is never applied (the next older intact one is
-        resumed instead, recorded). The guarantee is the one of a deep check at
-        open, for one read of the bytes instead of two.
-
-        The store keywords (``resume_from``, ``storage_options``, ``retry``,
-        ``lineage``, ``auth_policy``, ``keyring``, ``protocol_version``,
-        ``local_tier``) mean
-        what they mean to :meth:`CheckpointStore.open`; every other keyword
-        (``every_steps``, ``async_save``, ``keep_last``, ...) is the
-        constructor's. :meth:`close` (or leaving a ``with`` block) also closes
-        the store. ::
+        ``options``, ``resume_from`` and ``storage_options`` mean what they mean
+        to :meth:`CheckpointStore.open` (the store's choices: one
+        :class:`~ckptstore.options.OpenOptions`, the same object every entry
+        point takes); every other keyword (``every_steps``, ``async_save``,
+        ``keep_last``, ...) is the constructor's. The store is opened with the
+        resume point chosen by its sizes (``resume_verify="cheap"``, whatever
+        ``options`` says): its digests are checked once, by :meth:`resume`,
+        while its bytes are read into memory, and a save that fails that check
+        is never applied (the next older intact one is resumed instead,
+        recorded). The guarantee is the one of a deep check at open, for one
+        read of the bytes instead of two. :meth:`close` (or leaving a ``with``
+        block) also closes the store. ::
 
             with Checkpointer.open("/ckpt", "run-1", identity, {"model": m, "optimizer": opt},
                                    every_steps=100) as ckpt:
@@ -215,13 +208,12 @@ class Checkpointer:
                     ...
                     ckpt.step_end(step)
         """
-        store = CheckpointStore.open(
-            url, run_id, identity=identity, mode="w", resume_from=resume_from, storage_options=storage_options,
-            retry=retry, lineage=lineage, resume_verify="cheap", auth_policy=auth_policy, keyring=keyring,
-            protocol_version=protocol_version, local_tier=local_tier,
-        )
+        flat = {k: keywords.pop(k) for k in list(keywords) if k in FLAT_KEYWORDS}
+        o = options_from_keywords(options, flat, "Checkpointer.open")
+        store = CheckpointStore.open(url, run_id, identity=identity, mode="w", resume_from=resume_from,
+                                     options=replace(o, resume_verify="cheap"), storage_options=storage_options)
         try:
-            ckpt = cls(store, objects, **options)
+            ckpt = cls(store, objects, **keywords)
         except BaseException:
             store.close()
             raise

@@ -386,7 +386,7 @@ def test_each_shim_pins_the_versions_it_was_tested_with(shim: str, dist: str, te
 ADDONS = ("integrations", "cli", "distributed")
 #: the public surface an add-on may import besides its own package: the facade, the pure protocol,
 #: the backends, the errors, and the other add-on layers
-ADDON_MAY_IMPORT = ("", "store", "protocol", "backends", "errors", "util", "identity", "retry", "defaults", "torch",
+ADDON_MAY_IMPORT = ("", "store", "options", "protocol", "backends", "errors", "util", "identity", "retry", "defaults", "torch",
                     "ops", "integrations", "cli", "distributed", "shims")
 #: packages whose ``__init__`` (their public names) an add-on may import, not their modules
 ADDON_MAY_IMPORT_PACKAGE = ("tiers", "core")

@@ -5,12 +5,13 @@ on one durable directory, each with its own local tier directory, as
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointStore
+from ckptstore import CheckpointStore, OpenOptions, TierOptions
 from ckptstore.core.record_auth import RecordAuth
 from ckptstore.errors import InvalidInputError, NotFoundError
 from ckptstore.tiers.parts import local_holdings, rank_root
@@ -20,13 +21,12 @@ IDENT = {"model": "tiny", "world_size": 2}
 
 def pair(tmp_path: Path, peers: dict[int, Any] | None = None, every: int = 1) -> tuple[CheckpointStore, CheckpointStore]:
     url = str(tmp_path / "durable")
-    coord = CheckpointStore.open(url, "run", identity=IDENT, single_writer=True, tier_rank=0, tier_peers=peers or {},
-                                 local_tier=tmp_path / "local", close_flush_seconds=0.5,
-                                 replicate_every=every, local_keep=5)
+    tiers = TierOptions(tmp_path / "local", close_flush_seconds=0.5, replicate_every=every, keep=5)
+    coord = CheckpointStore.open(url, "run", identity=IDENT, options=OpenOptions(
+        single_writer=True, tiers=replace(tiers, rank=0, peers=peers or {})))
     assert coord.attempt is not None
-    member = CheckpointStore.open(url, "run", identity=IDENT, join_attempt=coord.attempt.number, tier_rank=1,
-                                  local_tier=tmp_path / "local", close_flush_seconds=0.5,
-                                  replicate_every=every, local_keep=5)
+    member = CheckpointStore.open(url, "run", identity=IDENT, join_attempt=coord.attempt.number,
+                                  options=OpenOptions(tiers=replace(tiers, rank=1)))
     return coord, member
 
 
@@ -123,7 +123,7 @@ def test_the_coordinator_resumes_locally_only_when_every_rank_holds_the_part(tmp
 def test_a_member_needs_its_rank(tmp_path: Path) -> None:
     coord, member = pair(tmp_path)
     assert coord.attempt is not None
-    with pytest.raises(InvalidInputError, match="tier_rank"):
+    with pytest.raises(InvalidInputError, match="needs the rank's tier"):
         CheckpointStore.open(str(tmp_path / "durable"), "run", identity=IDENT, join_attempt=coord.attempt.number,
                              local_tier=tmp_path / "x")
     coord.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptstore import CheckpointStore
+from ckptstore import CheckpointStore, OpenOptions, TierOptions
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend, PosixOps
 from ckptstore.cli.commands import main as cli_main
@@ -124,8 +124,8 @@ def test_a_rank_folder_linked_to_the_durable_directory_is_refused(tmp_path: Path
     before = snapshot(durable)
     for _ in range(2):
         with pytest.raises(CkptStoreError) as exc:
-            CheckpointStore.open(str(durable), "run", identity=RANKED, single_writer=True, tier_rank=0,
-                                 tier_peers={}, local_tier=tier, local_keep=1)
+            CheckpointStore.open(str(durable), "run", identity=RANKED, options=OpenOptions(
+                single_writer=True, tiers=TierOptions(tier, keep=1, rank=0, peers={})))
         refused(exc, "rank-0", "symbolic link")
     assert snapshot(durable) == before
     assert sorted(durable_saves(LocalBackend(durable))) == [1, 2, 3, 4, 5]
@@ -134,8 +134,8 @@ def test_a_rank_folder_linked_to_the_durable_directory_is_refused(tmp_path: Path
     assert held == [] and "symbolic link" in why[0]
     # the operator removes the link: the rank's real folder works, every durable save is kept
     (tier / "rank-0").unlink()
-    with CheckpointStore.open(str(durable), "run", identity=RANKED, single_writer=True, tier_rank=0,
-                              tier_peers={}, local_tier=tier, local_keep=1) as s:
+    with CheckpointStore.open(str(durable), "run", identity=RANKED, options=OpenOptions(
+            single_writer=True, tiers=TierOptions(tier, keep=1, rank=0, peers={}))) as s:
         assert s.resumed_from is not None and s.resumed_from.step == 5 and s.read(s.resumed_from, "a") == payload(5)
         save(s, 6)
         save(s, 7)
@@ -175,14 +175,14 @@ def test_a_rank_folder_linked_elsewhere_writes_nothing_there(
     (tier / "rank-0").symlink_to(target)
     before, durable_before = snapshot(target), durable_state(backend_factory())
     with pytest.raises(CkptStoreError) as exc:
-        CheckpointStore.open(backend_factory(), "run", identity=RANKED, single_writer=True, tier_rank=0,
-                             tier_peers={}, local_tier=tier)
+        CheckpointStore.open(backend_factory(), "run", identity=RANKED, options=OpenOptions(
+            single_writer=True, tiers=TierOptions(tier, rank=0, peers={})))
     refused(exc, str(tier / "rank-0"))
     assert snapshot(target) == before and durable_state(backend_factory()) == durable_before
     assert (tier / "rank-0").is_symlink()  # never replaced nor removed: the operator decides
     (tier / "rank-0").unlink()
-    with CheckpointStore.open(backend_factory(), "run", identity=RANKED, single_writer=True, tier_rank=0,
-                              tier_peers={}, local_tier=tier) as s:
+    with CheckpointStore.open(backend_factory(), "run", identity=RANKED, options=OpenOptions(
+            single_writer=True, tiers=TierOptions(tier, rank=0, peers={}))) as s:
         assert s.resumed_from is not None and s.read(s.resumed_from, "a") == payload(1)
         save(s, 2)
         assert s.flush(30)

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ...errors import InvalidInputError
+from ...options import OpenOptions
 from ...shims.torch_private import ExtensionRegistry, StorageReaderTransforms, StorageWriterTransforms, StreamTransformExtension
 from ...store import CheckpointStore
 from .common import SavePlanData
@@ -113,8 +114,8 @@ class PathStoreWriter(StoreWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         store = CheckpointStore.open(
-            self.path, RUN_ID, identity=IDENTITY, storage_options=self.storage_options, resume_verify="cheap",
-            single_writer=True,
+            self.path, RUN_ID, identity=IDENTITY, storage_options=self.storage_options,
+            options=OpenOptions(resume_verify="cheap", single_writer=True),
         )
         assert store.attempt is not None
         self._store = store

@@ -103,7 +103,7 @@ class StoreWriter(StorageWriter):
         self.store = store_of(target)
         if self.store.mode != "w":
             raise InvalidInputError("StoreWriter needs a store opened for writing")
-        if self.store.tiered and self.store.options.tier_rank is not None:
+        if self.store.options.tiers is not None and self.store.options.tiers.rank is not None:
             # DCP publishes on the coordinator alone: the other ranks never learn the record, so their parts
             # would never be committed locally nor replicated (docs/tiers.md "Many ranks")
             raise InvalidInputError("the DCP StoreWriter on a two-tier job of many ranks (open_distributed(..., "

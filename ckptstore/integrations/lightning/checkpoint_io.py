@@ -93,6 +93,7 @@ from ...errors import (
     InvalidInputError,
 )
 from ...identity import RunIdentity
+from ...options import AuthOptions, OpenOptions
 from ...protocol.auth import AuthPolicy, Keyring
 from ...shims.lightning_private import PATH
 from ...store import CheckpointStore
@@ -264,8 +265,8 @@ class StoreCheckpointIO(CheckpointIO):
                 assert self._url is not None and self._run_id is not None
                 self._store = CheckpointStore.open(
                     self._url, self._run_id, identity=self._identity, storage_options=self.storage_options or None,
-                    single_writer=True,  # Lightning saves on global rank 0 only
-                    auth_policy=self.auth.policy, keyring=self.auth.keyring,
+                    options=OpenOptions(single_writer=True,  # Lightning saves on global rank 0 only
+                                        auth=AuthOptions(self.auth.policy, self.auth.keyring)),
                 )
             return self._store
 
@@ -282,7 +283,7 @@ class StoreCheckpointIO(CheckpointIO):
         if key not in self._readers:
             self._readers[key] = CheckpointStore.open(
                 url, run_id, mode="r", storage_options=self._options_for(url),
-                auth_policy=self.auth.policy, keyring=self.auth.keyring,
+                options=OpenOptions(auth=AuthOptions(self.auth.policy, self.auth.keyring)),
             )
         return self._readers[key]
 

@@ -20,6 +20,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from ... import RecordAuth
 from ...errors import CommitConflictError, InvalidInputError
+from ...options import AuthOptions, OpenOptions
 from ...protocol import canonical_json
 from ...protocol.auth import AuthPolicy, Keyring
 from ...shims.lightning_private import PATH
@@ -399,7 +400,7 @@ def write_pointer_for_latest(
     key, the pointer is tagged).
     """
     store = CheckpointStore.open(url, run_id, mode="r", storage_options=storage_options,
-                                 auth_policy=auth_policy, keyring=keyring)
+                                 options=OpenOptions(auth=AuthOptions(auth_policy, keyring)))
     ref = store.latest_complete(deep=True)
     if ref is None:
         return None

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 
+from ...options import OpenOptions, TierOptions
 from ...protocol import component_key
 from ...store import CheckpointStore
 from ..budget import young_daly_interval
@@ -76,7 +77,7 @@ def run_tiered(d: DrillLike, mtbi_steps: float, step_seconds: float) -> dict[str
                 r.returncode == 0 and final is not None and final.split()[1] == d.clean_result["final_digest"])
         # corrupt the newest local copy: one bit of its optimizer state; a fresh writer must not trust it
         reader = d.reader(RUN)
-        newest = CheckpointStore.open(reader.backend, RUN, mode="r", local_tier=local).latest_complete()
+        newest = CheckpointStore.open(reader.backend, RUN, mode="r", options=OpenOptions(tiers=TierOptions(local))).latest_complete()
         flipped = False
         if newest is not None and newest.tier != "durable":
             f = local / component_key(RUN, newest.save_id, "optimizer.safetensors")
@@ -87,7 +88,8 @@ def run_tiered(d: DrillLike, mtbi_steps: float, step_seconds: float) -> dict[str
                 flipped = True
         d.check("a bit of the newest local copy flipped", flipped)
         identity = reader.run_record["identity"]
-        with CheckpointStore.open(reader.backend, RUN, identity=identity, local_tier=local) as w:
+        with CheckpointStore.open(reader.backend, RUN, identity=identity,
+                                  options=OpenOptions(tiers=TierOptions(local))) as w:
             got = w.resumed_from
             ev = _last_resume_tier(w)
             d.check("a corrupt local copy fell back to the durable copy of the same step",

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ...defaults import BUDGET_GPU_HOURS, GPU_HOURS_PER_STEP, RESTART_GPU_HOURS
 from ...errors import CkptStoreError, NotFoundError
 from ...identity import RunIdentity, digest_tree
+from ...options import OpenOptions, TierOptions
 from ...store import CheckpointStore
 from ...torch import Checkpointer, ResumableSampler, torch_environment
 from ..budget import Budget, account
@@ -220,8 +221,9 @@ def train(
     budget = budget or Budget()
     spent_before = _admit(url, run_id, ident, budget, storage_options)
     backend = _backend(url, storage_options, slow_commit, slow_after_component, slow_mid_component)
+    tiers = TierOptions(local_tier) if local_tier is not None else None
     store = CheckpointStore.open(backend, run_id, identity=ident, storage_options=storage_options,
-                                 local_tier=local_tier)
+                                 options=OpenOptions(tiers=tiers))
     model, opt, sched = objs["model"], objs["optimizer"], objs["scheduler"]
     replay = ReplayLog()
     ckpt = Checkpointer(

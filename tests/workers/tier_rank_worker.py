@@ -6,7 +6,8 @@ SPEC (tests/workers/dist_launch.py): rank, world, port, url (the durable
 tier), args: ``local`` (the job's local_tier: rank r uses ``<local>/rank-<r>``),
 ``steps``, ``every`` (replicate_every), ``flush`` (seconds each rank waits for
 replication after its saves), ``kill`` ({"rank", "step"}: that rank SIGKILLs
-itself when its replicator starts uploading its part of that step), ``fault``
+itself when its replicator starts uploading its part of that step, once its
+``save()`` of that step returned: the save is acknowledged on every rank), ``fault``
 ({"rank", "step", "point", "action"}: that rank runs ``die`` (SIGKILL) or
 raises at the :func:`ckptstore.distributed.coordinator.at_phase` point
 ``point`` of that step's save), ``timeout`` (the channel's deadline).
@@ -19,6 +20,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -41,11 +43,13 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     args: dict[str, Any] = spec.get("args", {})
     kill = args.get("kill")
+    returned = threading.Event()  # this rank's save() of the kill step returned
     if kill is not None and int(kill["rank"]) == rank:
         upload = parts.upload_components
 
         def killing_upload(local: Any, durable: Any, ref: Any, names: Any = None, on_component: Any = None) -> None:
             if ref.step == int(kill["step"]):
+                returned.wait(60)  # the upload starts at the local commit: die once every rank was told
                 die()  # this rank's part of the step never reaches the durable tier
             upload(local, durable, ref, names, on_component)
 
@@ -81,6 +85,8 @@ def main() -> None:
         if faulty:
             coordinator.at_phase(fault["point"], die if fault.get("action", "die") == "die" else fail)
         emit(event=f"save{step}", **save(run, step, None))
+        if kill is not None and int(kill["step"]) == step:
+            returned.set()
         if faulty:
             coordinator.at_phase(fault["point"], None)
     if args.get("flush"):

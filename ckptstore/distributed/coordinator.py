@@ -481,7 +481,10 @@ def open_distributed(
     Two tiers (``local_tier="/nvme/ckpt"``, ``docs/tiers.md`` "Many ranks"): ``url`` is the
     durable tier; rank ``r`` keeps its local tier in ``<local_tier>/rank-<r>`` on its own
     node's disk, holding its own part of every save under the same commit record bytes as
-    the durable commit. Each rank's background thread uploads its own components; the
+    the durable commit. A save is acknowledged (``save()`` returns the same SaveRef on
+    every rank) only once every rank committed its part in its local tier; otherwise every
+    rank raises the same :class:`CommitUnknownError` naming the ranks whose part is not
+    committed (PROTOCOL.md §"Tiers" 7). Each rank's background thread uploads its own components; the
     coordinator's creates the durable commit once every rank's part is listed there. The
     job resumes from the local tiers only when every rank holds its part of the chosen save
     verified (all ranks or none, ``resume-tier`` event with every rank's reasons); otherwise

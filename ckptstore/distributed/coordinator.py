@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -52,8 +51,9 @@ from .agreement import FlagAgreement, PeerLostError
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after, rank_error_json
 
-#: The points of a distributed save at which an :func:`at_phase` callback runs, on the coordinator.
-PHASES = ("before_gather", "before_publish", "after_publish")
+#: The points of a distributed save at which an :func:`at_phase` callback runs: on the coordinator,
+#: and (``"member_before_part_commit"``) on a member of a job with a local tier.
+PHASES = ("before_gather", "before_publish", "after_publish", "member_before_part_commit")
 _AT_PHASE: dict[str, Callable[[], None]] = {}
 
 
@@ -62,7 +62,10 @@ def at_phase(phase: str, callback: Callable[[], None] | None) -> None:
     process reaches ``phase``: ``"before_gather"`` (its own components written,
     the ranks' inventories not yet gathered), ``"before_publish"`` (every
     inventory checked, the commit record not yet created) or ``"after_publish"``
-    (the commit record created, the ranks not yet told). None removes it.
+    (the commit record created, the ranks not yet told); on a member of a job
+    with a local tier, ``"member_before_part_commit"`` (the coordinator's record
+    received and checked, this rank's part not yet committed in its local tier).
+    None removes it.
 
     The seam for fault-injection tests and drills (a SIGKILL at that point);
     ckptstore installs no callback itself. An unknown phase is an
@@ -296,15 +299,64 @@ class DistributedSave:
         ch.post(self._tag, "outcome", outcome)
         if err is not None and may_delete_after(err):
             self._staged.abort()
+        if err is None and "record" in outcome:
+            assert ref is not None
+            return self._decide(ref)
         # Keep the rendezvous store (hosted here) up until the members read the outcome.
-        try:
-            ch.gather(self._tag, "ack", ranks=alive, timeout=min(ch.timeout, 60.0))
-        except (RanksFailedError, CoordinatorLostError):
-            pass
+        self._linger("ack", alive)
         if err is not None:
             raise err
         assert ref is not None
         return ref
+
+    def _linger(self, what: str, ranks: list[int]) -> None:
+        """The coordinator: wait (bounded, failures ignored) until ``ranks`` said
+        ``what``, so the rendezvous store it hosts stays up until they read its last message."""
+        ch = self.run.channel
+        try:
+            ch.gather(self._tag, what, ranks=ranks, timeout=min(ch.timeout, 60.0))
+        except (RanksFailedError, CoordinatorLostError):
+            pass
+
+    def _decide(self, ref: SaveRef) -> SaveRef:
+        """The coordinator of a job with a local tier, its record committed in its
+        own local tier: gather every member's ack (its part committed in its local
+        tier, or why not) within the channel timeout, then tell every rank the
+        decision. The save is acknowledged (``ref`` returned here, the same ref on
+        every rank) only when every rank's part is committed; otherwise every rank
+        raises the same :class:`CommitUnknownError` naming the ranks. Nothing is
+        deleted either way (the local commits stay, gc_local removes them later)."""
+        ch = self.run.channel
+        members = list(range(1, ch.world_size))
+        try:
+            acks = ch.gather(self._tag, "ack", ranks=members, timeout=ch.timeout)
+            failed = {r: str(a.get("error")) for r, a in sorted(acks.items()) if a.get("part") is not True}
+            silent: list[int] = []
+        except (RanksFailedError, CoordinatorLostError) as exc:
+            silent = list(getattr(exc, "ranks", members))
+            failed = {r: f"no ack ({exc})" for r in silent}
+        err = self._unacknowledged(failed, silent) if failed else None
+        ch.post(self._tag, "decision", {"ok": True} if err is None else {"ok": False, "error": error_to_json(err)})
+        self._linger("seen", [r for r in members if r not in silent])
+        if err is not None:
+            raise err
+        return ref
+
+    def _unacknowledged(self, failed: Mapping[int, str], silent: list[int]) -> CommitUnknownError:
+        """The error every rank raises when some rank's part was not committed
+        (``failed``: rank -> why; ``silent``: those that sent no ack at all)."""
+        named = ", ".join(map(str, failed))
+        shown = "; ".join(f"rank {r}: {m}" for r, m in failed.items())[:2000]
+        if silent:
+            after = ("its part may or may not be committed in its local tier, and the save is resumed from the "
+                     "local tiers only if every rank holds its part verified")
+        else:
+            after = "it will not be resumed from the local tiers (the resume needs every rank's part)"
+        return CommitUnknownError(
+            f"save of step {self.step} ({self.save_id}): rank(s) {named} did not commit their part in their local "
+            f"tier ({shown}); the save is not acknowledged: {after}. Nothing was deleted; the previous "
+            "acknowledged save stays the one every rank holds, and latest_complete() tells what landed."
+        )
 
     def _follow(self) -> SaveRef:
         ch, store = self.run.channel, self.run.store
@@ -316,6 +368,9 @@ class DistributedSave:
                 f"save of step {self.step} ({self.save_id}): rank 0 (the coordinator) did not send the outcome ({exc}); "
                 "the commit may or may not exist. Nothing was deleted; latest_complete() tells what landed."
             ) from exc
+        if outcome.get("ok") and store.tiered and isinstance(outcome.get("record"), str):
+            ref, why = self._commit_part(store, str(outcome["record"]).encode("utf-8"), outcome["ref"])
+            return self._await_decision(ref, {"part": True} if why is None else {"part": False, "error": why})
         try:
             ch.post(self._tag, "ack", {})
         except CoordinatorLostError:
@@ -325,23 +380,26 @@ class DistributedSave:
             if may_delete_after(err):
                 self._staged.abort()
             raise err
-        if store.tiered and isinstance(outcome.get("record"), str):
-            return self._publish_part(store, str(outcome["record"]).encode("utf-8"), outcome["ref"])
         ref = _ref_from_json(store, outcome["ref"])
         store.learn_published(ref)  # the next save of this rank skips the pieces of this one
         return ref
 
-    def _publish_part(self, store: CheckpointStore, data: bytes, want: Mapping[str, Any]) -> SaveRef:
-        """A member of a tiered job: this rank's part of the coordinator's record, committed in its local tier.
-        A failure here is this rank's alone (the save is never resumed from the local tiers nor made
-        durable without this part): a warning, not an error, so the ranks stay in step."""
+    def _commit_part(self, store: CheckpointStore, data: bytes, want: Mapping[str, Any]) -> tuple[SaveRef | None, str | None]:
+        """A member of a tiered job: the coordinator's record checked against its
+        reference and this rank's components, then this rank's part committed in
+        its local tier. Returns the local ref, or None and why it was not committed
+        (never raises: the member still acks, and every rank follows one decision)."""
         try:
-            ref = store.publish_record(data)
-        except CkptStoreError as exc:
-            warnings.warn(f"rank {self.run.rank}: step {self.step}: this rank's part was not committed in its "
-                          f"local tier ({exc}); the save will not be resumed from the local tiers nor made durable",
-                          RuntimeWarning, stacklevel=4)
-            ref = replace(SaveRef.of(P.CommitRecord.decode(data, "the coordinator's commit record")), tier="local")
+            rec = P.CommitRecord.decode(data, "the coordinator's commit record", run_id=store.run_id)
+            self._check_record(SaveRef.of(rec), want)
+            _reached("member_before_part_commit")
+            return store.publish_record(data), None
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides for every rank
+            return None, f"{type(exc).__name__}: {exc}"[:1000]
+
+    def _check_record(self, ref: SaveRef, want: Mapping[str, Any]) -> None:
+        """The coordinator's record is the save of its reference and of this
+        rank's save ID, and lists this rank's components as written."""
         if ref.manifest_digest != want.get("manifest_digest") or ref.save_id != want.get("save_id") \
                 or ref.save_id != self.save_id:
             raise CorruptionError(f"save of step {self.step}: the coordinator's record differs from its reference")
@@ -349,6 +407,28 @@ class DistributedSave:
         if any(ref.components.get(n) != c for n, c in wrote.items()):
             raise CorruptionError(f"save of step {self.step}: the coordinator's record does not list this rank's "
                                   "components as written")
+
+    def _await_decision(self, ref: SaveRef | None, ack: dict[str, Any]) -> SaveRef:
+        """A member of a tiered job, its part committed (``ref``) or not: post
+        its ack, wait for the coordinator's decision, return the save only when
+        it was acknowledged, else raise the coordinator's error. Deletes nothing."""
+        ch = self.run.channel
+        with contextlib.suppress(CoordinatorLostError):
+            ch.post(self._tag, "ack", ack)
+        try:
+            decision = ch.receive(self._tag, "decision", timeout=2 * ch.timeout)
+        except CoordinatorLostError as exc:
+            raise CommitUnknownError(
+                f"save of step {self.step} ({self.save_id}): rank 0 (the coordinator) did not send its decision "
+                f"({exc}); the save is not acknowledged. Nothing was deleted; latest_complete() tells what landed."
+            ) from exc
+        with contextlib.suppress(CoordinatorLostError):
+            ch.post(self._tag, "seen", {})
+        if not decision.get("ok"):
+            raise error_from_json(decision["error"])
+        if ref is None:  # the coordinator acknowledged a save this rank reported as not committed
+            raise CommitUnknownError(f"save of step {self.step} ({self.save_id}): acknowledged by rank 0, but rank "
+                                     f"{self.run.rank}'s part is not committed ({ack.get('error')})")
         return ref
 
 
@@ -397,7 +477,10 @@ def open_distributed(
     * Two tiers (``OpenOptions(tiers=TierOptions("/nvme/ckpt"))``, ``docs/tiers.md`` "Many
       ranks"): ``url`` is the durable tier; rank ``r`` keeps its local tier in
       ``<path>/rank-<r>`` on its own node's disk, holding its own part of every save under
-      the same commit record bytes as the durable commit. Each rank's background thread
+      the same commit record bytes as the durable commit. A save is acknowledged (``save()``
+      returns the same SaveRef on every rank) only once every rank committed its part in its
+      local tier; otherwise every rank raises the same :class:`CommitUnknownError` naming the
+      ranks whose part is not committed (PROTOCOL.md §"Tiers" 7). Each rank's background thread
       uploads its own components; the coordinator's creates the durable commit once every
       rank's part is listed there. The job resumes from the local tiers only when every
       rank holds its part of the chosen save verified (all ranks or none, ``resume-tier``

@@ -159,3 +159,56 @@ def test_checkpointer_on_rank_stores_resumes_from_the_local_tiers_exactly(tmp_pa
         assert b.results["ckpt"]["draws"] == tail  # RNG streams and data position, per rank, exactly
     d = resume_tier(tmp_path)
     assert d["tier"] == "local"
+
+
+def local_commits(base: Path, rank: int) -> set[tuple[int, int]]:
+    """(step, attempt) of every commit record in rank ``rank``'s local tier."""
+    out = set()
+    for p in (base / "local" / f"rank-{rank}" / "run" / "commits").glob("*.json"):
+        step, attempt = p.stem.split("-")[1].split(".")
+        out.add((int(step), int(attempt)))
+    return out
+
+
+def test_every_rank_gets_one_answer_the_same_ref_or_the_same_error(tmp_path: Path) -> None:
+    # step 2: rank 1's local commit of its part fails (disk full) after rank 0 committed its own
+    fault = {"rank": 1, "step": 2, "point": "member_before_part_commit", "action": "raise"}
+    res = job(tmp_path, steps=[1, 2], fault=fault, close_flush=1)
+    one = [r.results["save1"] for r in res]
+    assert all(s["ok"] for s in one) and len({(s["save_id"], s["digest"]) for s in one}) == 1  # the same SaveRef
+    two = [r.results["save2"] for r in res]
+    assert [s["type"] for s in two] == ["CommitUnknownError"] * 2
+    assert two[0]["message"] == two[1]["message"]  # the same error on every rank
+    msg = two[0]["message"]
+    assert "rank(s) 1 did not commit" in msg and "No space left on device" in msg
+    assert "not acknowledged" in msg and "will not be resumed from the local tiers" in msg
+    # nothing committed was deleted: rank 0's local commit of step 2 stays as evidence, rank 1 has none
+    assert local_commits(tmp_path, 0) == {(1, 1), (2, 1)} and local_commits(tmp_path, 1) == {(1, 1)}
+    with durable(tmp_path) as s:
+        latest = s.latest_complete()
+        assert latest is not None and latest.step == 1  # rank 1's part was never uploaded
+
+
+def test_a_member_killed_before_its_part_commit_the_save_is_not_acknowledged(tmp_path: Path) -> None:
+    # step 1 durable, step 2 in both local tiers only (replicate_every=2); rank 1 is killed at step 3
+    # after rank 0 committed its part (it sent the record) and before rank 1 committed its own
+    fault = {"rank": 1, "step": 3, "point": "member_before_part_commit"}
+    res = job(tmp_path, steps=[1, 2, 3], every=2, fault=fault, timeout=10, close_flush=1)
+    assert res[1].killed and not res[0].killed
+    assert all(r.results[f"save{s}"]["ok"] for r in res for s in (1, 2))
+    out = res[0].results["save3"]
+    assert out["type"] == "CommitUnknownError", out  # rank 0's save() did not return: not acknowledged
+    assert "rank(s) 1 did not commit" in out["message"] and "not acknowledged" in out["message"]
+    held = [local_commits(tmp_path, r) for r in (0, 1)]  # (each keeps local_keep=2 commits)
+    assert (3, 1) in held[0] and (3, 1) not in held[1] and (2, 1) in held[0] & held[1]
+    # a restart of both ranks in fresh processes resumes from the save every rank holds, read bit for bit
+    res = job(tmp_path, steps=[3], flush=20)
+    assert opened(res) == [(2, "local"), (2, "local")]
+    assert all(r.results["read"]["ok"] for r in res)
+    d = resume_tier(tmp_path)
+    assert d["step"] == 2 and any("step 3: rank(s) [1]" in r for r in d["local_reasons"])
+    # the unacknowledged commit of attempt 1 (superseded now) went with the local tier's retention
+    assert (3, 1) not in local_commits(tmp_path, 0) and (3, 2) in local_commits(tmp_path, 0)
+    with durable(tmp_path) as s:
+        latest = s.latest_complete(deep=True)
+        assert latest is not None and (latest.step, latest.attempt) == (3, 2)

@@ -6,7 +6,11 @@ SPEC (tests/workers/dist_launch.py): rank, world, port, url (the durable
 tier), args: ``local`` (the job's local_tier: rank r uses ``<local>/rank-<r>``),
 ``steps``, ``every`` (replicate_every), ``flush`` (seconds each rank waits for
 replication after its saves), ``kill`` ({"rank", "step"}: that rank SIGKILLs
-itself when its replicator starts uploading its part of that step).
+itself when its replicator starts uploading its part of that step, once its
+``save()`` of that step returned: the save is acknowledged on every rank), ``fault``
+({"rank", "step", "point", "action"}: that rank runs ``die`` (SIGKILL) or
+raises at the :func:`ckptstore.distributed.coordinator.at_phase` point
+``point`` of that step's save), ``timeout`` (the channel's deadline).
 Prints ``RESULT <json>`` lines.
 """
 
@@ -16,15 +20,20 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import traceback
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore.distributed import open_distributed
+from ckptstore.distributed import coordinator, open_distributed
 from ckptstore.tiers import parts
 from tests.workers.dist_worker import blob, checkpointer, die, emit, err_json, save
+
+
+def fail() -> None:
+    raise OSError(28, "No space left on device (injected)")
 
 
 def main() -> None:
@@ -34,11 +43,13 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     args: dict[str, Any] = spec.get("args", {})
     kill = args.get("kill")
+    returned = threading.Event()  # this rank's save() of the kill step returned
     if kill is not None and int(kill["rank"]) == rank:
         upload = parts.upload_components
 
         def killing_upload(local: Any, durable: Any, ref: Any, names: Any = None, on_component: Any = None) -> None:
             if ref.step == int(kill["step"]):
+                returned.wait(60)  # the upload starts at the local commit: die once every rank was told
                 die()  # this rank's part of the step never reaches the durable tier
             upload(local, durable, ref, names, on_component)
 
@@ -46,7 +57,8 @@ def main() -> None:
     ident = {"data_digest": "d", "code_digest": "c", "world_size": world}
     try:
         run = open_distributed(
-            spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None, timeout=30, save_timeout=20,
+            spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None,
+            timeout=float(args.get("timeout", 30)), save_timeout=20,
             local_tier=args["local"],
             replicate_every=int(args.get("every", 1)), close_flush_seconds=float(args.get("close_flush", 10)),
         )
@@ -67,8 +79,16 @@ def main() -> None:
         from ckptstore.distributed.ranked import RankStore
 
         emit(event="durable", ok=RankStore(run).make_durable(20))  # collective: the coordinator's answer
+    fault = args.get("fault")
     for step in args.get("steps", []):
+        faulty = fault is not None and int(fault["rank"]) == rank and int(fault["step"]) == step
+        if faulty:
+            coordinator.at_phase(fault["point"], die if fault.get("action", "die") == "die" else fail)
         emit(event=f"save{step}", **save(run, step, None))
+        if kill is not None and int(kill["step"]) == step:
+            returned.set()
+        if faulty:
+            coordinator.at_phase(fault["point"], None)
     if args.get("flush"):
         flushed = run.store.flush(float(args["flush"]))
         status = run.store.replication_status()
@@ -77,7 +97,7 @@ def main() -> None:
     tag = ch.next()
     ch.post(tag, "done", {})
     if rank == 0:
-        killed = {int(kill["rank"])} if kill is not None else set()
+        killed = {int(f["rank"]) for f in (kill, fault) if f is not None and f.get("action", "die") == "die"}
         with contextlib.suppress(Exception):
             ch.gather(tag, "done", ranks=[r for r in range(world) if r not in killed], timeout=60)
     run.close()

@@ -166,3 +166,34 @@ def test_python_names_in_the_docs_exist() -> None:
     assert len(names) > 10
     missing = sorted(n for n in names if not resolves(n))
     assert not missing, f"the docs name Python objects that do not exist (moved? update the page): {missing}"
+
+
+def test_the_code_map_names_every_folder_and_module() -> None:
+    # CONTRIBUTING.md's code map is where the next engineer starts: a folder or module it does not
+    # name, or one it names that is gone, fails here
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    section = text.split("## Code map", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not line.startswith("|") or set(cells[0]) <= {"-"} or cells[0] == "folder":
+            continue
+        folder = cells[0].strip("`")
+        rows.setdefault(folder, set()).update(re.findall(r"`([A-Za-z_][\w]*/?)`", cells[1]))
+    pkg = ROOT / "ckptstore"
+    problems = []
+    top = {p.stem for p in pkg.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    problems += [f"top-level module {m}.py is not in the code map" for m in sorted(top - rows.get("top level", set()))]
+    problems += [f"the code map names top-level module {m}, which does not exist"
+                 for m in sorted(rows.get("top level", set()) - top)]
+    for d in sorted(p for p in pkg.iterdir() if (p / "__init__.py").exists()):
+        named = rows.get(f"{d.name}/")
+        if named is None:
+            problems.append(f"folder {d.name}/ has no row in the code map")
+            continue
+        subs = [p for p in d.iterdir() if (p / "__init__.py").exists()]
+        need = {p.stem for p in d.glob("*.py") if p.stem != "__init__"} | {f"{p.name}/" for p in subs}
+        may = need | {p.stem for s in subs for p in s.glob("*.py") if p.stem != "__init__"}  # a sub-package's own
+        problems += [f"{d.name}/{m} is not in the code map" for m in sorted(need - named)]
+        problems += [f"the code map names {d.name}/{m}, which does not exist" for m in sorted(named - may)]
+    assert not problems, "CONTRIBUTING.md's code map is out of date:\n" + "\n".join(problems)

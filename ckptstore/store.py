@@ -532,7 +532,7 @@ class CheckpointStore:
         tags): the run record, attempt records, events, and every commit whose
         save re-hashes intact. Needs ``auth_policy`` other than ``"off"``."""
         if self._auth.policy is AuthPolicy.OFF:
-            raise InvalidInputError("signing needs auth_policy='warn' or 'require' and a key")
+            raise InvalidInputError("signing needs AuthOptions(policy='warn' or 'require') and a key")
         return sign_run(self._catalog)
 
     # --------------------------------------------------------------- events

@@ -101,8 +101,8 @@ class OneTier:
             self.pieces.learn(ref.record)
 
     def publish_record(self, ctx: WriterContext, data: bytes) -> SaveRef:
-        raise InvalidInputError("publish_record needs a store opened with local_tier= on many ranks "
-                                "(ckptstore.distributed.open_distributed(..., local_tier=...))")
+        raise InvalidInputError("publish_record needs a store opened with a local tier on many ranks "
+                                "(ckptstore.distributed.open_distributed(..., options=OpenOptions(tiers=...)))")
 
     # ------------------------------------------------------------- selection
     def select(self, deep: bool, explain: bool) -> Selection:
@@ -153,7 +153,7 @@ class OneTier:
         return True
 
     def gc_local(self, *, keep_last: int, dry_run: bool, deep: bool, grace_seconds: float) -> GcReport:
-        raise InvalidInputError("this store has no local tier (open it with local_tier=...)")
+        raise InvalidInputError("this store has no local tier (open it with options=OpenOptions(tiers=TierOptions(...)))")
 
     def close(self, flush_seconds: float) -> None:
         """End this writer's save intent (version 3): its commits mark their

@@ -38,8 +38,8 @@ def check_can_write(backend: Backend, requested: dict[str, Any] | None, join_att
         raise InvalidInputError(
             f"this process is one of {world} ranks of a torch.distributed job: every rank opening the run "
             "would register its own attempt and fence the others. Use "
-            "ckptstore.distributed.open_distributed(...) on every rank, or pass single_writer=True on the "
-            "one rank that saves (the DDP 'rank 0 saves' pattern)"
+            "ckptstore.distributed.open_distributed(...) on every rank, or pass "
+            "options=OpenOptions(single_writer=True) on the one rank that saves (the DDP 'rank 0 saves' pattern)"
         )
 
 

@@ -185,12 +185,14 @@ def commit_durable(durable: RunIO, attempts: AttemptLog, ref: SaveRef, *, attemp
 
 
 def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
-              on_component: Callable[[str], None] | None = None, *, intent: DurableIntent | None = None,
+              on_component: Callable[[str], None] | None = None, *, timing: PieceTiming,
+              intent: DurableIntent | None = None,
               early: Mapping[str, tuple[ComponentEntry, Future[None]]] | None = None) -> bool:
     """Make ``ref`` (a local publication) durable: the pre-commit fence (a
     fenced writer uploads nothing), :func:`upload_components`, then
     :func:`commit_durable`. A version-3 save first has ``intent`` (the
-    replicator's save intent in the durable tier; a fresh one when None)
+    replicator's save intent in the durable tier; a fresh one, with the run's
+    ``timing``, when None)
     protect the durable pieces it reuses, uploads only the pieces the durable
     tier lacks, and is committed only while that intent is live and after
     every piece it names was listed there. True when this call created the
@@ -217,7 +219,7 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
         upload_components(local, durable, ref, None, on_component, uploaded=done)
         return commit_durable(durable, attempts, ref, attempt=attempt)
     started = time.monotonic()
-    guard = intent if intent is not None else DurableIntent(durable, rec.attempt, PieceTiming())
+    guard = intent if intent is not None else DurableIntent(durable, rec.attempt, timing)
     try:
         have = guard.protect(rec)
         upload_components(local, durable, ref, None, on_component, have=have)
@@ -311,6 +313,7 @@ class Replicator:
         on_component: Callable[[str], None] | None = None,
         intent: DurableIntent | None = None,
         early: EarlyUploads | None = None,
+        timing: PieceTiming | None = None,
         copy: Callable[[RunIO, RunIO, AttemptLog, SaveRef, Callable[[str], None] | None], bool] | None = None,
     ) -> None:
         self.local, self.durable, self.attempts = local, durable, attempts
@@ -318,6 +321,8 @@ class Replicator:
         self.early = early
         #: version 3: the save intent that protects the durable pieces a replication reuses
         self.intent = intent
+        #: version 3: the run's window and intent lifetime (every intent of this replicator is judged by them)
+        self.timing = timing if timing is not None else (intent.timing if intent is not None else PieceTiming())
         #: the step that makes one save durable in place of :func:`copy_save` (one rank of many:
         #: ``tiers.parts``; it takes neither ``intent`` nor ``early``)
         self.copy = copy
@@ -486,7 +491,7 @@ class Replicator:
                     created = self.copy(self.local, self.durable, self.attempts, ref, self._on_component)
                 else:
                     created = copy_save(self.local, self.durable, self.attempts, ref, self._on_component,
-                                        intent=self.intent, early=early)
+                                        timing=self.timing, intent=self.intent, early=early)
                 early = None  # a retry uploads everything again
             except SupersededError as exc:
                 with self._cond:

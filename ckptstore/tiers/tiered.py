@@ -322,7 +322,7 @@ class TierSet:
             self.local.io, self.durable_io, self.durable_attempts, every=self.every, max_lag=self.max_lag,
             retry=self.retry, record=lambda k, p: self.record(k, p), after=self._retain,
             on_component=lambda n: self.on_component(n) if self.on_component is not None else None,
-            intent=self.durable_intent, early=self.early,
+            intent=self.durable_intent, early=self.early, timing=self.piece_timing,
             copy=PartCopier(self.rank) if self.rank is not None else None,
         )
         _OPEN.add(self)
@@ -412,7 +412,7 @@ class TierSet:
         replication."""
         if self.rank is None:
             raise InvalidInputError("publish_record needs a store opened on many ranks "
-                                    "(ckptstore.distributed.open_distributed(..., local_tier=...))")
+                                    "(ckptstore.distributed.open_distributed(..., options=OpenOptions(tiers=...)))")
         assert self.attempt is not None
         rec = CommitRecord.decode(data, "the coordinator's commit record", run_id=self.durable_io.run_id)
         if rec.encode() != data:

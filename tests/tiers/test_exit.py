@@ -16,15 +16,15 @@ from ckptstore.backends.local import LocalBackend
 
 SCRIPT = textwrap.dedent("""
     import sys
-    from ckptstore import CheckpointStore
+    from ckptstore import CheckpointStore, OpenOptions, TierOptions
     from ckptstore.backends.faults import FaultyBackend
     from ckptstore.backends.local import LocalBackend
 
     durable, local, delay, flush = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
     slow = FaultyBackend(LocalBackend(durable)).slow(
         None, delay, when=lambda op, key: op == "create" and "/commits/" in key)
-    store = CheckpointStore.open(slow, "run", identity={"data": "d"}, local_tier=local,
-                                 close_flush_seconds=flush)
+    store = CheckpointStore.open(slow, "run", identity={"data": "d"},
+                                 options=OpenOptions(tiers=TierOptions(local, close_flush_seconds=flush)))
     with store.save(1) as s:
         s.put("model", b"weights" * 1000)
     assert store.replication_status().pending == (1,), store.replication_status()

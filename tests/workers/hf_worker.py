@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 from transformers import TrainerControl, TrainerState
 
-from ckptstore import CheckpointStore
+from ckptstore import CheckpointStore, OpenOptions
 from ckptstore.integrations.hf import StoreCallback, restore_latest
 
 
@@ -42,7 +42,8 @@ def main() -> None:
     if spec["scenario"] != "ops":
         raise SystemExit(f"unknown scenario {spec['scenario']!r}")
     cb = StoreCallback(lambda: CheckpointStore.open(
-        spec["url"], args["run"], identity=args["identity"], single_writer=True, storage_options=opts))
+        spec["url"], args["run"], identity=args["identity"], options=OpenOptions(single_writer=True),
+        storage_options=opts))
     try:
         for i, op in enumerate(args["ops"]):
             try:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptstore.core.pieces import PieceTiming
+from ckptstore import OpenOptions, PieceTiming
 from ckptstore.distributed import open_distributed
 from ckptstore.distributed.ranked import RankStore
 from ckptstore.torch import Checkpointer
@@ -81,7 +81,7 @@ def main() -> None:
     timing = PieceTiming(window=float(args["window"]), intent_ttl=float(args["intent_ttl"]))
     try:
         run = open_distributed(spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None,
-                               timeout=60, save_timeout=30, piece_timing=timing)
+                               timeout=60, save_timeout=30, options=OpenOptions(pieces=timing))
     except Exception as exc:  # noqa: BLE001
         emit(event="open", **err_json(exc))
         dist.destroy_process_group()

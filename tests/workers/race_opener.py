@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from ckptstore import CheckpointStore, CkptStoreError, SupersededError
+from ckptstore import CheckpointStore, CkptStoreError, OpenOptions, SupersededError
 from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.schemes import backend_from_url
 from ckptstore.retry import RetryPolicy
@@ -58,7 +58,8 @@ def main() -> None:
     fb.slow(None, 0.3, when=first_attempt_listing)
     touch(os.path.join(sync, f"ready-{index}"))
     wait_for(os.path.join(sync, "go"))
-    store = CheckpointStore.open(fb, run, identity=IDENT, retry=RetryPolicy(attempts=8, base_delay=0.01, max_delay=0.1))
+    store = CheckpointStore.open(fb, run, identity=IDENT, options=OpenOptions(
+        retry=RetryPolicy(attempts=8, base_delay=0.01, max_delay=0.1)))
     assert store.attempt is not None
     print("OPENED " + json.dumps({"index": index, "attempt": store.attempt.number, "writer_id": store.writer_id,
                                   "resumed_from": store.resumed_from.step if store.resumed_from else None}),

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ckptstore import keyring_from_file
+from ckptstore import AuthOptions, OpenOptions, keyring_from_file
 from ckptstore.distributed import open_distributed
 from ckptstore.distributed.ranked import RankStore
 from ckptstore.torch import Checkpointer, ResumableLoader
@@ -114,9 +114,9 @@ def main() -> None:
         run = open_distributed(
             spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None, timeout=60,
             save_timeout=30, reshard=bool(args.get("reshard", False)),
-            resume_verify=args.get("resume_verify", "deep"),
-            auth_policy=per_rank(args, "auth_policy", rank, "off"), keyring=keyring,
-            protocol_version=args.get("protocol_version"),
+            options=OpenOptions(resume_verify=args.get("resume_verify", "deep"),
+                                auth=AuthOptions(per_rank(args, "auth_policy", rank, "off"), keyring),
+                                protocol_version=args.get("protocol_version")),
         )
     except Exception as exc:  # noqa: BLE001
         emit(event="open", **err_json(exc))

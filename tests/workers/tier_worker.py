@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Any
 
-from ckptstore import CheckpointStore
+from ckptstore import CheckpointStore, OpenOptions, TierOptions
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.schemes import backend_from_url
 from ckptstore.protocol import layout_of
@@ -74,8 +74,8 @@ def main() -> None:
 
         replicator.copy_save = copy_save  # type: ignore[assignment]
 
-    store = CheckpointStore.open(durable, "run", identity={"model": "tiny"}, local_tier=cfg["local"], local_keep=10,
-                                 protocol_version=cfg.get("protocol_version"))
+    store = CheckpointStore.open(durable, "run", identity={"model": "tiny"}, options=OpenOptions(
+        tiers=TierOptions(cfg["local"], keep=10), protocol_version=cfg.get("protocol_version")))
     for step in range(cfg["steps"]):
         with store.save(step) as w:
             w.put("a", payload(step))

@@ -212,3 +212,50 @@ def test_a_member_killed_before_its_part_commit_the_save_is_not_acknowledged(tmp
     with durable(tmp_path) as s:
         latest = s.latest_complete(deep=True)
         assert latest is not None and (latest.step, latest.attempt) == (3, 2)
+
+
+def test_signed_records_on_every_rank_and_both_tiers_resume_from_the_local_tiers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # many ranks x two tiers x auth_policy="require" (docs/combinations.md): every rank's local commit and
+    # the durable one are tagged; a restart requires the tags and resumes from the local tiers, bit for bit
+    import json
+    import os
+    import secrets
+
+    from ckptstore import AuthOptions, OpenOptions, keyring_from_file
+    from ckptstore.protocol import CommitRecord
+
+    monkeypatch.delenv("CKPTSTORE_AUTH_KEYS", raising=False)
+    kf = tmp_path / "keys.json"
+    kf.write_text(json.dumps({"active": "k1", "keys": {"k1": secrets.token_hex(32)}}))
+    os.chmod(kf, 0o600)
+    first = job(tmp_path, steps=[1, 2], every=2, flush=20, key_file=str(kf))
+    assert all(r.results["save1"]["ok"] and r.results["save2"]["ok"] for r in first), [r.results for r in first]
+    ring = keyring_from_file(str(kf))
+    with CheckpointStore.open(str(tmp_path / "durable"), "run", mode="r",
+                              options=OpenOptions(auth=AuthOptions("require", ring))) as s:
+        latest = s.latest_complete(deep=True)
+        assert latest is not None and latest.step == 1 and latest.record.auth is not None
+        assert all(a.auth is not None for a in s.attempts())
+    records = []
+    for r in (0, 1):  # each node's local commit of step 2: the coordinator's record bytes, tagged
+        files = [p for p in (tmp_path / "local" / f"rank-{r}" / "run" / "commits").iterdir() if p.suffix == ".json"]
+        (data,) = [d for d in (p.read_bytes() for p in files) if CommitRecord.decode(d, "a local commit").step == 2]
+        records.append(data)
+    assert records[0] == records[1]
+    rec = CommitRecord.decode(records[0], "rank 0's local commit of step 2")
+    assert rec.step == 2 and rec.auth is not None and rec.auth.key_id == "k1"
+    res = job(tmp_path, steps=[], flush=20, key_file=str(kf))
+    assert opened(res) == [(2, "local"), (2, "local")]
+    assert all(r.results["read"]["ok"] for r in res)
+    with CheckpointStore.open(str(tmp_path / "durable"), "run", mode="r",
+                              options=OpenOptions(auth=AuthOptions("require", ring))) as s:
+        latest = s.latest_complete(deep=True)
+        assert latest is not None and latest.step == 2 and latest.record.auth is not None  # replicated, tagged
+    # a job that requires the tags but holds another key is refused on every rank, before anything runs
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"active": "k1", "keys": {"k1": secrets.token_hex(32)}}))
+    os.chmod(other, 0o600)
+    refused = run_job(2, str(tmp_path / "durable"), "tiers", args={"local": str(tmp_path / "local"),
+                      "key_file": str(other), "steps": []}, worker=WORKER, timeout=90)
+    assert all(not r.results["open"]["ok"] for r in refused), [r.results for r in refused]

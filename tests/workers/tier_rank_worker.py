@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore import OpenOptions, TierOptions
+from ckptstore import AuthOptions, OpenOptions, TierOptions, keyring_from_file
 from ckptstore.distributed import coordinator, open_distributed
 from ckptstore.tiers import parts
 from tests.workers.dist_worker import blob, checkpointer, die, emit, err_json, save
@@ -61,7 +61,9 @@ def main() -> None:
             spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None,
             timeout=float(args.get("timeout", 30)), save_timeout=20,
             options=OpenOptions(tiers=TierOptions(args["local"], replicate_every=int(args.get("every", 1)),
-                                                  close_flush_seconds=float(args.get("close_flush", 10)))),
+                                                  close_flush_seconds=float(args.get("close_flush", 10))),
+                                auth=AuthOptions("require", keyring_from_file(args["key_file"]))
+                                if args.get("key_file") else AuthOptions()),
         )
     except Exception as exc:  # noqa: BLE001
         emit(event="open", **err_json(exc))

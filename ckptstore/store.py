@@ -26,6 +26,7 @@ from .core.pieces import PieceTiming, pieces_lacking
 from .core.preflight import check_can_write, check_metadata, check_open_args
 from .core.reader import VerifyReport
 from .core.record_auth import RecordAuth
+from .core.resume_point import fallback_candidates
 from .core.signing import SignReport, sign_run
 from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id
 from .defaults import DEFAULT_GRACE_SECONDS
@@ -45,7 +46,7 @@ from .protocol import (
 )
 from .protocol.auth import AuthPolicy
 from .protocol.records import PieceRef
-from .protocol.selection import SaveInfo, SaveRef, SaveState, Selection
+from .protocol.selection import SaveInfo, SaveRef, Selection
 from .tiers.replicator import ReplicationStatus
 
 __all__ = [
@@ -475,11 +476,7 @@ class CheckpointStore:
         return value, chosen
 
     def _fall_back_reading(self, ref: SaveRef, read: Callable[[SaveRef], T], failures: list[str]) -> tuple[T, SaveRef]:
-        candidates = [
-            i.ref for i in self.list_saves()
-            if i.state is SaveState.COMMITTED and i.ref is not None and (i.step, i.attempt) < (ref.step, ref.attempt)
-        ]
-        for cand in candidates:
+        for cand in self.fallback_candidates(ref):
             try:
                 value = read(cand)
             except CorruptionError as exc:
@@ -492,6 +489,12 @@ class CheckpointStore:
                 RuntimeWarning, stacklevel=5)
             return value, cand
         raise CorruptionError(_listed(f"run {self.run_id!r}: no complete save could be read back intact", failures))
+
+    def fallback_candidates(self, below: SaveRef) -> list[SaveRef]:
+        """The saves a resume falls back to when ``below``'s bytes turn out
+        corrupt: every committed save older than it, newest first, in either
+        tier (``core.resume_point.fallback_candidates``, the one rule)."""
+        return fallback_candidates(self.list_saves(), below)
 
     def agree_preemption(self, flag: bool) -> bool:
         """The job's preemption flag: one process is its own job, so ``flag``

@@ -2,12 +2,15 @@
 (PROTOCOL.md §4.2 step 2, THREATS.md §4.2): the selected save, None only
 when the run's history holds no commit at all, and otherwise a refusal —
 recorded in the ledger — rather than a fresh start that would supersede the
-run's saves."""
+run's saves; and the saves it falls back to when the resume point's bytes
+turn out corrupt (:func:`fallback_candidates`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..errors import CkptStoreError, LimitReachedError, ResumeRefusedError
-from ..protocol.selection import SaveRef
+from ..protocol.selection import SaveInfo, SaveRef, SaveState
 from .catalog import Catalog
 from .fencing import AttemptView
 from .ledger import Ledger
@@ -39,3 +42,14 @@ def resume_point(
             pass  # the refusal itself is what the caller gets
         raise
     return sel.latest
+
+
+def fallback_candidates(saves: Sequence[SaveInfo], below: SaveRef) -> list[SaveRef]:
+    """The saves a resume falls back to when the bytes of ``below`` (the resume
+    point) turn out corrupt: every committed save older than it (by step, then
+    attempt), newest first, as ``saves`` (a listing, newest first) judges them —
+    committed and not superseded, complete by size; the caller's verified read
+    decides each. The one rule, for one process (``CheckpointStore.read_resume_point``)
+    and for many ranks (``RankStore``), whatever tiers hold them."""
+    return [i.ref for i in saves if i.state is SaveState.COMMITTED and i.ref is not None
+            and (i.step, i.attempt) < (below.step, below.attempt)]

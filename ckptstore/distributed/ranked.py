@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from .. import GcReport
 from .. import protocol as P
 from ..errors import CkptStoreError, CorruptionError
-from ..protocol.selection import SaveRef, SaveState
+from ..protocol.selection import SaveRef
 from ..store import DEFAULT_GRACE_SECONDS, CheckpointStore
 from ..torch.contract import CheckpointerStore
 from .coordinator import DistributedRun, DistributedSave
@@ -267,11 +267,7 @@ class RankStore:
                 return {"ok": True, "attempt": store.attempt.number, "failures": failures[:20]}
             failures.extend(corrupt)
             if older is None:
-                older = [
-                    i.ref for i in store.list_saves()
-                    if i.state is SaveState.COMMITTED and i.ref is not None
-                    and (i.step, i.attempt) < (ref.step, ref.attempt)
-                ]
+                older = store.fallback_candidates(ref)
             older = [o for o in older if (o.step, o.attempt) < (cand.step, cand.attempt)]
             if not older or last:
                 raise CorruptionError(_summary(

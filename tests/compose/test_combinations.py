@@ -149,3 +149,20 @@ def test_each_refused_combination_names_its_fix_before_anything_is_written(
         CheckpointStore(backend, "run", o, identity=IDENT, join_attempt=join)
     assert backend.list_keys("") == []
     assert not (tmp_path / "nvme").exists()
+
+
+@pytest.mark.backends("local")
+def test_the_dcp_writer_on_a_tiered_rank_store_is_refused_with_the_fix(backend: Backend, tmp_path: Path) -> None:
+    # docs/combinations.md: DCP publishes on the coordinator alone, so a tiered job of many ranks cannot use it
+    pytest.importorskip("torch.distributed.checkpoint")
+    from ckptstore import OpenOptions, TierOptions
+    from ckptstore.distributed.dcp import StoreWriter
+
+    o = OpenOptions(single_writer=True, tiers=TierOptions(tmp_path / "nvme", rank=0, peers={}))
+    with CheckpointStore.open(backend, "run", identity=IDENT, options=o) as store:
+        with pytest.raises(CkptStoreError, match="Checkpointer\\(RankStore\\(run\\)\\)"):
+            StoreWriter(store)
+        assert store.list_saves() == []
+    with CheckpointStore.open(backend, "run", identity=IDENT, options=OpenOptions(
+            tiers=TierOptions(tmp_path / "nvme2"))) as one:
+        StoreWriter(one)  # one process with two tiers: DCP's writer works (the coordinator is the whole job)

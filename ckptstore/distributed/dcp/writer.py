@@ -107,8 +107,10 @@ class StoreWriter(StorageWriter):
             # DCP publishes on the coordinator alone: the other ranks never learn the record, so their parts
             # would never be committed locally nor replicated (docs/tiers.md "Many ranks")
             raise InvalidInputError("the DCP StoreWriter on a two-tier job of many ranks (open_distributed(..., "
-                                    "local_tier=...)) is not supported yet; open the job without local_tier, or "
-                                    "save per rank with Checkpointer(RankStore(run))")
+                                    "options=OpenOptions(tiers=...))) is not supported yet: DCP publishes on the "
+                                    "coordinator alone, so the other ranks' parts would never be committed in their "
+                                    "local tiers nor replicated; open the job without tiers, or save per rank with "
+                                    "Checkpointer(RankStore(run))")
         self.step = None if step is None else P.validate_step(step)
         self.thread_count = max(1, int(thread_count))
         self.metadata = dict(metadata or {})

@@ -7,8 +7,10 @@ tier), args: ``local`` (the job's local_tier: rank r uses ``<local>/rank-<r>``),
 ``steps``, ``every`` (replicate_every), ``flush`` (seconds each rank waits for
 replication after its saves), ``kill`` ({"rank", "step"}: that rank SIGKILLs
 itself when its replicator starts uploading its part of that step, once its
-``save()`` of that step returned: the save is acknowledged on every rank), ``protocol_version`` (of the run the job creates; 3: pieces, with a short ``PieceTiming`` window, and each
-rank also writes ``rank<r>/frozen``, the same bytes at every step), ``fault``
+``save()`` of that step returned: the save is acknowledged on every rank),
+``protocol_version`` (of the run the job creates; 3: pieces, with a short
+``PieceTiming`` window, and each rank also writes ``rank<r>/frozen``, the same
+bytes at every step), ``fault``
 ({"rank", "step", "point", "action"}: that rank runs ``die`` (SIGKILL) or
 raises at the :func:`ckptstore.distributed.coordinator.at_phase` point
 ``point`` of that step's save), ``timeout`` (the channel's deadline).

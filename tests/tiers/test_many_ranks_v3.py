@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore import CheckpointStore
+from ckptstore.errors import NotFoundError
 from tests.workers.dist_launch import RankResult, run_job
 
 pytest.importorskip("torch.distributed")
@@ -27,6 +28,8 @@ def job(base: Path, **args: object) -> list[RankResult]:
     res = run_job(2, str(base / "durable"), "tiers", args={"local": str(base / "local"), "protocol_version": 3,
                                                            **args}, worker=WORKER, timeout=90)
     for r in res:
+        if r.killed:
+            continue
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.results.get("open", {}).get("ok"), (r.results, r.stderr[-3000:])
     return res
@@ -107,3 +110,23 @@ def test_one_node_lost_every_rank_reads_the_durable_copy(restart: Path) -> None:
         assert s.verify(latest, deep=True).ok
         for r in (0, 1):
             assert len(s.read(latest, f"rank{r}/frozen")) == 1_500_000
+
+
+def test_a_rank_killed_before_uploading_its_pieces_leaves_no_durable_commit_and_the_restart_catches_up(
+        tmp_path: Path) -> None:
+    # rank 1 is killed as its replicator starts uploading its part of step 2 (its save() returned on every rank)
+    res = job(tmp_path, steps=[1, 2], flush=2.5, close_flush=1, kill={"rank": 1, "step": 2})
+    assert res[1].killed and not res[0].killed
+    assert res[0].results["save2"]["ok"]  # committed in both local tiers
+    assert not res[0].results["flush"]["ok"]  # ... but never made durable: rank 1's pieces are missing
+    with durable(tmp_path) as s:
+        latest = s.latest_complete(deep=True)
+        assert latest is not None and latest.step == 1  # the previous durable save stays selected
+        with pytest.raises(NotFoundError):
+            s.get_save(2)
+    res = job(tmp_path, steps=[], flush=20)  # the restart resumes locally, reads bit for bit, catches up
+    assert opened(res) == [(2, "local"), (2, "local")]
+    assert all(r.results["read"]["ok"] for r in res)
+    with durable(tmp_path) as s:
+        latest = s.latest_complete(deep=True)
+        assert latest is not None and latest.step == 2 and s.verify(latest, deep=True).ok

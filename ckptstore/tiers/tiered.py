@@ -11,8 +11,10 @@ delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
   to the durable copy when the local one does not verify;
 * gc: each tier on its own;
 * many ranks (``rank`` set, :mod:`.parts`): the local tier holds this rank's
-  part of each save under the coordinator's record bytes; the coordinator's
-  resume point is local only when every other rank (``peers``) holds it.
+  part of each save under the coordinator's record bytes (version 3: its
+  part's pieces, its piece writer and durable intent knowing that part only);
+  the coordinator's resume point is local only when every other rank
+  (``peers``) holds it.
 """
 
 from __future__ import annotations

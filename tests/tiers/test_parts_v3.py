@@ -81,7 +81,8 @@ def check_durable(durable: Backend, ref: SaveRef) -> None:
             assert r.read(got, f"rank{rank}/head") == head(ref.step, rank)
 
 
-def test_each_rank_writes_and_replicates_only_its_parts_new_pieces(tmp_path: Path) -> None:
+def test_each_rank_writes_and_replicates_only_its_parts_new_pieces_and_its_holdings_rehash_them(
+        tmp_path: Path) -> None:
     durable = FaultyBackend(LocalBackend(tmp_path / "durable"))
     coord, member = pair(tmp_path, durable, long_timing())
     r1 = save(coord, member, 1)
@@ -103,6 +104,12 @@ def test_each_rank_writes_and_replicates_only_its_parts_new_pieces(tmp_path: Pat
     for rank in (0, 1):  # each rank's holdings check verifies its part, pieces included
         held, why = local_holdings(tmp_path / "local", RUN, rank, coord.identity_digest, auth)
         assert [h["save_id"] for h in held] == [r2.save_id, r1.save_id] and not why
+    victim = piece_files(tmp_path, 1, r2.save_id)[0]  # one bit flips in one of rank 1's pieces of step 2
+    data = bytearray(victim.read_bytes())
+    data[10] ^= 0x80
+    victim.write_bytes(bytes(data))
+    held, why = local_holdings(tmp_path / "local", RUN, 1, coord.identity_digest, auth)
+    assert [h["save_id"] for h in held] == [r1.save_id] and "BLAKE3" in why[0]
 
 
 def test_a_rank_whose_pieces_never_reach_the_durable_tier_never_leads_to_a_durable_commit(tmp_path: Path) -> None:

@@ -136,11 +136,6 @@ def check_combination(o: OpenOptions, *, pieces: bool, joined: bool = False) -> 
          "early_replication is not available on a protocol version 3 run (pieces): "
          "its replication already copies only the pieces the durable tier lacks; open "
          "without early_replication, or the run at protocol version 2"),
-        # each rank's replicator carries its own part, the pieces path (tiers.durable_intent) one
-        # process's save: the two are not joined yet
-        (t.rank is not None and pieces,
-         "local_tier on many ranks with a protocol version 3 run (pieces) is not "
-         "supported yet; open the job at protocol version 2, or without local_tier"),
     ]
     for hit, why in refused:
         if hit:

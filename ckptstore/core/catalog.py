@@ -243,12 +243,13 @@ class Catalog:
         one size request each); with ``deep``, re-hashed (never reading more
         than its recorded size + 1 bytes). A pieced component: every piece
         present with its size (from the scan's listing of ``pieces/``, or one
-        listing per holder), with ``deep`` each piece hashed once per scan."""
-        problems: Problems = check_pieces(
-            self.io, rec.components.values(), scan.pieces if scan is not None else None, deep,
-            scan.piece_memo if scan is not None else None,
-        )
+        listing per holder), with ``deep`` each piece hashed once per scan.
+        With :attr:`part` set, only that rank's components (pieced or not)."""
         mine = part_names(rec, self.part)
+        problems: Problems = check_pieces(
+            self.io, (c for n, c in rec.components.items() if mine is None or n in mine),
+            scan.pieces if scan is not None else None, deep, scan.piece_memo if scan is not None else None,
+        )
         if mine is not None and not mine:
             problems.append((SkipReason.MISSING_COMPONENT, f"the record gives rank {self.part} no component"))
         for name, comp in sorted(rec.components.items()):

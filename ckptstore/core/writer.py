@@ -40,7 +40,7 @@ from ..util.redact import redact_text
 from .bounded_io import RunIO
 from .fencing import AttemptLog
 from .hashing import check_data
-from .pieces import PieceWriter, SavePieces, check_pieces
+from .pieces import PieceWriter, SavePieces, check_pieces, check_present
 from .record_auth import RecordAuth
 
 
@@ -351,7 +351,10 @@ def seal_record(
     """The commit record of a multi-rank save whose ranks write into separate
     local tiers (PROTOCOL.md §"Tiers"): sealed here once, then published by
     every rank for its own part with :func:`publish_part` (the same bytes in
-    every tier). Checks the rank map names every component exactly once."""
+    every tier). Checks the rank map names every component exactly once and
+    that every component is finished; a pieced component (version 3) is
+    allowed only in a run that stores pieces (each rank checks its own part's
+    pieces at :func:`publish_part`, the coordinator cannot see the others')."""
     check_save_id(ctx, step, save_id)
     comps = dict(components)
     if not comps:
@@ -359,8 +362,11 @@ def seal_record(
     rank_map = {int(r): tuple(names) for r, names in ranks.items()}
     if sorted(n for names in rank_map.values() for n in names) != sorted(comps):
         raise InvalidInputError("ranks must name every component exactly once")
-    if any(c.pieces is not None or c.size < 0 for c in comps.values()):
-        raise InvalidInputError("a multi-rank tiered save cannot hold pieced or unfinished components")
+    if any(c.size < 0 for c in comps.values()):
+        raise InvalidInputError("a multi-rank tiered save cannot hold unfinished components")
+    if any(c.pieces is not None for c in comps.values()) and not ctx.io.layout.pieces:
+        raise InvalidInputError(f"run {ctx.io.run_id!r} is protocol version {ctx.io.layout.version}: its saves "
+                                "cannot name pieces (version 3 and later)")
     return _seal(ctx, step, save_id, comps, metadata, rank_map, world_size)
 
 
@@ -368,8 +374,11 @@ def publish_part(ctx: WriterContext, record: CommitRecord, names: Sequence[str])
     """Publish ``record`` (sealed by the coordinator) in this rank's tier,
     holding only the components ``names`` (this rank's part): they are listed
     with their recorded sizes, the pre-commit fence, the record's bytes
-    created if absent, the post-commit fence. The record must be of this
-    context's attempt. Raises a :class:`SaveNotPublishedError` subclass."""
+    created if absent, the post-commit fence. A pieced part (version 3) is
+    checked as one process's save is (§9.4): with the rank's staged pieces
+    (``ctx.pieces``) steps 1-2 for its part again, then every piece of the
+    part present in this tier with its size (step 3). The record must be of
+    this context's attempt. Raises a :class:`SaveNotPublishedError` subclass."""
     step, save_id = record.step, record.save_id
     check_save_id(ctx, step, save_id)
     if record.attempt != ctx.attempt.number or record.run_id != ctx.io.run_id:
@@ -378,7 +387,12 @@ def publish_part(ctx: WriterContext, record: CommitRecord, names: Sequence[str])
     if unknown:
         raise SaveAbortedError(f"save of step {step}: component(s) {unknown[:5]} are not in the record; not published")
     mine = {n: record.components[n] for n in names}
+    staged = ctx.pieces.active(save_id) if ctx.pieces is not None else None
     try:
+        if staged is not None:
+            staged.check_before_publish(mine)
+        elif any(c.pieces is not None for c in mine.values()):
+            check_present(ctx.io, mine, save_id)
         _verify_inventory(ctx, step, save_id, mine)
         ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)
     except BaseException:

@@ -488,7 +488,9 @@ def open_distributed(
     * Version 3 (pieces): each rank writes its own pieces, skips those of the newest
       commit it knows, and checks its own save intent before it reports its inventory; the
       coordinator re-checks every rank's deadlines and that every piece is present before
-      it publishes (PROTOCOL.md §9.4). ``protocol_version=3`` creates a version-3 run with
+      it publishes (PROTOCOL.md §9.4); with local tiers each rank checks its own part's
+      pieces in its own tier before committing its part, and replicates only the pieces of
+      its part the durable tier lacks (§9.6). ``protocol_version=3`` creates a version-3 run with
       the job's one attempt; an existing run keeps its own version.
     * Authenticated records: keys come from ``options.auth.keyring`` or, when it is None,
       ``CKPTSTORE_AUTH_KEYS`` in each rank's environment (the same on every rank). Under

@@ -95,18 +95,24 @@ class DurableIntent:
         if wait > 0:
             time.sleep(wait)
 
-    def protect(self, rec: CommitRecord) -> Names:
+    def protect(self, rec: CommitRecord, *, every: bool = False) -> Names:
         """Before a replication of ``rec`` uploads anything: the pieces of
         ``rec`` it may skip (the durable tier holds them and a live intent at
         least ``window`` old names them). From memory when the standing intent
         covers them, else after a fresh intent naming every piece of ``rec``
-        (waited for) and one listing per holder."""
+        (waited for) and one listing per holder.
+
+        ``every``: the caller commits pieces other processes upload (the
+        coordinator of many ranks, ``tiers.parts``): the intent must name
+        *every* piece of ``rec``, not only those skipped, be ``window`` old
+        when this returns, and :meth:`check_live` then requires it live."""
         need = rec.piece_refs()
         reuse = {hd for hd, size in need.items() if self.known.get(hd) == size}
-        if not self.doubtful and (not reuse or self._covers(reuse)):
-            if reuse:
+        guard = set(need) if every else reuse
+        if not self.doubtful and (not guard or self._covers(guard)):
+            if guard:
                 self._wait_window()
-            self.relying = bool(reuse)
+            self.relying = bool(guard)
             return {hd: need[hd] for hd in reuse}
         self._arm(set(need))
         self._wait_window()
@@ -116,7 +122,7 @@ class DurableIntent:
             there.update({hd: p.size for hd, p in list_pieces(self.io, holder).items()})
         self.doubtful = False
         have = {hd: size for hd, size in need.items() if there.get(hd) == size}
-        self.relying = bool(have)
+        self.relying = bool(have) or (every and bool(need))
         return have
 
     def check_live(self, rec: CommitRecord, started: float) -> None:

@@ -13,10 +13,16 @@ and verifies only those (:attr:`ckptstore.core.catalog.Catalog.part`).
   when every rank holds the chosen save's exact record (manifest digest).
 * :class:`PartCopier`: the replication step of one rank: upload its own
   components (:func:`~ckptstore.tiers.replicator.upload_components`); on the
-  coordinator, then wait until the durable save folder lists every component
-  of the record with its size, and create the durable commit
+  coordinator, then wait until the durable tier holds every component of the
+  record with its size (the save folder's listing; for a pieced component,
+  every piece listed with its size), and create the durable commit
   (:func:`~ckptstore.tiers.replicator.commit_durable`). A rank that never
   uploads never leads to a durable commit.
+* Version 3 (pieces): each rank's :class:`~ckptstore.tiers.durable_intent.DurableIntent`
+  protects the durable pieces its part reuses while it uploads only those
+  the durable tier lacks; the coordinator's intent names every piece of the
+  record and is at least ``window`` old before its presence check, and is
+  still live at the commit (PROTOCOL.md §9.4, §9.6).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +39,12 @@ from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, part_names
 from ..core.commit_names import CommitKeys
 from ..core.fencing import AttemptLog
+from ..core.pieces import PieceTiming, check_pieces, list_pieces
 from ..core.record_auth import RecordAuth
 from ..errors import CkptStoreError, TransientError
-from ..protocol import save_prefix
+from ..protocol import CommitRecord, save_prefix
 from ..protocol.selection import SaveRef
+from .durable_intent import DurableIntent
 from .replicator import commit_durable, upload_components
 from .tier_dir import check_run_folder, open_tier_dir, rank_folder
 
@@ -57,6 +66,17 @@ def rank_root(local_tier: str | os.PathLike[str], rank: int) -> Path:
     (for messages and tests: the tier opens it only below ``local_tier``,
     without following a link, :func:`~ckptstore.tiers.tier_dir.open_tier_dir`)."""
     return Path(local_tier) / rank_folder(rank)
+
+
+def part_record(rec: CommitRecord, rank: int | None) -> CommitRecord:
+    """``rec`` holding only rank ``rank``'s part (all of it when ``rank`` is
+    None or the record has no rank map): what a rank's piece writers learn
+    (its tiers hold the pieces of its part only). For memory only: its bytes
+    are not the record's."""
+    mine = part_names(rec, rank)
+    if mine is None:
+        return rec
+    return replace(rec, components={n: c for n, c in rec.components.items() if n in mine})
 
 
 def local_holdings(local_tier: str | os.PathLike[str], run_id: str, rank: int, identity_digest: str,
@@ -116,11 +136,17 @@ def local_holdings(local_tier: str | os.PathLike[str], run_id: str, rank: int, i
 class PartCopier:
     """The replication step of one rank of a multi-rank tiered job (see the
     module docstring); a drop-in for :func:`~ckptstore.tiers.replicator.copy_save`.
-    Returns True when this call created the durable commit record."""
+    Returns True when this call created the durable commit record.
 
-    def __init__(self, rank: int, *, wait_seconds: float = PART_WAIT_SECONDS) -> None:
+    ``intent`` (version 3): this rank's save intent in the durable tier; a
+    fresh one with the run's ``timing`` when None."""
+
+    def __init__(self, rank: int, *, timing: PieceTiming, intent: DurableIntent | None = None,
+                 wait_seconds: float = PART_WAIT_SECONDS) -> None:
         self.rank = rank
         self.wait_seconds = wait_seconds
+        self.timing = timing
+        self.intent = intent
         self._uploaded: set[str] = set()  # save IDs whose part this process uploaded and checked
 
     @property
@@ -131,6 +157,8 @@ class PartCopier:
                  on_component: Callable[[str], None] | None = None) -> bool:
         rec = ref.record
         attempts.check_not_superseded(attempts.read(rec.attempt), rec.step, committed=False)  # a zombie uploads nothing
+        if rec.piece_refs():
+            return self.copy_pieced(local, durable, attempts, ref, on_component)
         mine = part_names(rec, self.rank)
         if rec.save_id not in self._uploaded:
             upload_components(local, durable, ref, sorted(mine) if mine is not None else None, on_component)
@@ -144,16 +172,60 @@ class PartCopier:
         self._uploaded.discard(rec.save_id)
         return created
 
+    def copy_pieced(self, local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
+                    on_component: Callable[[str], None] | None) -> bool:
+        """A version-3 save (§9.6 on many ranks): this rank's intent protects
+        the durable pieces its part skips (on the coordinator: names every
+        piece of the record, ``window`` old before the presence check); only
+        the pieces of its part the durable tier lacks are uploaded, every one
+        then listed with its size. A member stops there (its standing intent
+        now names its part). The coordinator then waits until every component
+        of the record is in the durable tier (:meth:`wait_for_parts`), checks
+        its intent is still live and the replication ran shorter than an
+        intent lives less the window, and commits. Any failure: nothing
+        committed, the next try writes a fresh intent and lists again."""
+        rec = ref.record
+        mine = part_names(rec, self.rank)
+        own = part_record(rec, self.rank)
+        guard = self.intent if self.intent is not None else DurableIntent(durable, rec.attempt, self.timing)
+        started = time.monotonic()
+        try:
+            have = guard.protect(rec if self.is_coordinator else own, every=self.is_coordinator)
+            upload_components(local, durable, ref, sorted(mine) if mine is not None else None, on_component,
+                              have=have)
+            if not self.is_coordinator:
+                guard.check_live(own, started)
+                created = False
+            else:
+                self.wait_for_parts(durable, ref)
+                guard.check_live(rec, started)
+                created = commit_durable(durable, attempts, ref)
+        except BaseException:
+            guard.forget()
+            raise
+        guard.learn(rec if self.is_coordinator else own)  # the next replication skips these pieces
+        if self.intent is None:
+            guard.close()
+        return created
+
     def wait_for_parts(self, durable: RunIO, ref: SaveRef) -> None:
-        """Until every component of ``ref`` is listed in the durable save folder
-        with its recorded size (:class:`PartsMissingError` after ``wait_seconds``;
-        the replicator retries it with its backoff and skip rules)."""
+        """Until every component of ``ref`` is in the durable tier with its
+        recorded size: listed in the durable save folder, or, pieced, every
+        piece listed with its size (one listing per holder)
+        (:class:`PartsMissingError` after ``wait_seconds``; the replicator
+        retries it with its backoff and skip rules)."""
         rec = ref.record
         prefix = save_prefix(durable.run_id, rec.save_id)
+        plain = {n: c for n, c in rec.components.items() if c.pieces is None}
+        pieced = [c for c in rec.components.values() if c.pieces is not None]
+        holders = sorted({p.holder for c in pieced for p in c.pieces or ()})
         end = time.monotonic() + self.wait_seconds
         while True:
-            listed = {o.key[len(prefix):]: o.size for o in durable.list(prefix)}
-            missing = sorted(n for n, c in rec.components.items() if listed.get(n) != c.size)
+            listed = {o.key[len(prefix):]: o.size for o in durable.list(prefix)} if plain else {}
+            missing = sorted(n for n, c in plain.items() if listed.get(n) != c.size)
+            there = {hd: lp for h in holders for hd, lp in list_pieces(durable, h).items()}
+            lacking = {c.name for c in pieced if check_pieces(durable, [c], there, deep=False)}
+            missing = sorted(set(missing) | lacking)
             if not missing:
                 return
             if time.monotonic() >= end:

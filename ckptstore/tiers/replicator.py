@@ -324,7 +324,7 @@ class Replicator:
         #: version 3: the run's window and intent lifetime (every intent of this replicator is judged by them)
         self.timing = timing if timing is not None else (intent.timing if intent is not None else PieceTiming())
         #: the step that makes one save durable in place of :func:`copy_save` (one rank of many:
-        #: ``tiers.parts``; it takes neither ``intent`` nor ``early``)
+        #: ``tiers.parts``, which holds its own intent; it takes no ``early``)
         self.copy = copy
         self.every, self.max_lag, self.retry = every, max_lag, retry
         self._record, self._after, self._on_component = record, after, on_component

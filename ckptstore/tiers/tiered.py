@@ -11,8 +11,10 @@ delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
   to the durable copy when the local one does not verify;
 * gc: each tier on its own;
 * many ranks (``rank`` set, :mod:`.parts`): the local tier holds this rank's
-  part of each save under the coordinator's record bytes; the coordinator's
-  resume point is local only when every other rank (``peers``) holds it.
+  part of each save under the coordinator's record bytes (version 3: its
+  part's pieces, its piece writer and durable intent knowing that part only);
+  the coordinator's resume point is local only when every other rank
+  (``peers``) holds it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from ..retry import RetryPolicy
 from ..util.shutdown import before_pools_stop
 from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
-from .parts import PartCopier
+from .parts import PartCopier, part_record
 from .replicator import EarlyUploads, ReplicationStatus, Replicator
 
 T = TypeVar("T")
@@ -306,10 +308,26 @@ class TierSet:
         if self.pieces is not None:
             self.pieces.close()
         self.pieces = PieceWriter(self.local.io, attempt.number, self.piece_timing)
-        self.pieces.learn(resumed.record if resumed is not None and resumed.tier in ("local", "both") else None)
         self.durable_intent = DurableIntent(self.durable_io, attempt.number, self.piece_timing)
-        if resumed is not None and resumed.tier in ("durable", "both"):
-            self.durable_intent.learn(resumed.record)
+        if resumed is not None:
+            self._learn_pieces(resumed, resumed.tier, durable_whole=True)
+        else:
+            self.pieces.learn(None)
+
+    def _learn_pieces(self, ref: SaveRef, tier: str, *, durable_whole: bool) -> None:
+        """Version 3: the pieces of ``ref`` that this process's next save and
+        next replication may skip. On many ranks each tier's writer learns only
+        this rank's part (its local tier holds only that part; its replication
+        uploads only that part), except the coordinator's durable intent with
+        ``durable_whole`` (it names every piece of the records it commits)."""
+        if self.pieces is None or self.durable_intent is None:
+            return
+        own = part_record(ref.record, self.rank)
+        if tier in ("local", "both"):
+            self.pieces.learn(own)
+        if tier in ("durable", "both"):
+            whole = durable_whole and (self.rank is None or self.rank == 0)
+            self.durable_intent.learn(ref.record if whole else own)
 
     def join(self, attempt: AttemptRecord, writer_id: str, resumed: SaveRef | None = None) -> None:
         """Mirror ``attempt`` and start the replicator (a member rank joins the
@@ -323,7 +341,8 @@ class TierSet:
             retry=self.retry, record=lambda k, p: self.record(k, p), after=self._retain,
             on_component=lambda n: self.on_component(n) if self.on_component is not None else None,
             intent=self.durable_intent, early=self.early, timing=self.piece_timing,
-            copy=PartCopier(self.rank) if self.rank is not None else None,
+            copy=PartCopier(self.rank, timing=self.piece_timing, intent=self.durable_intent)
+            if self.rank is not None else None,
         )
         _OPEN.add(self)
 
@@ -396,15 +415,26 @@ class TierSet:
             # every other rank publishes the same bytes for its part (publish_record)
             rec = seal_record(ctx, step, save_id, components, metadata=metadata, ranks=ranks, world_size=world_size)
             ref = publish_part(ctx, rec, list(ranks.get(self.rank, ())))
+            self._learn_part(ref)
         else:
             ref = publish(ctx, step, save_id, components, metadata=metadata, ranks=ranks, world_size=world_size,
                           expect=expect)
         return self._published(ref)
 
     def learn_published(self, ref: SaveRef) -> None:
-        """A member rank of a tiered job learns the coordinator's saves by
-        :meth:`publish_record` (version 3 with many ranks and a local tier is
-        refused at open: ``check_combination``)."""
+        """A member rank learns the job's resume point (``ref.tier``: the
+        coordinator's tier decision): version 3, its next save skips the
+        pieces of its part the local tier holds, its next replication those
+        the durable tier holds. (It learns the saves it publishes itself in
+        :meth:`publish_record`.) One process: nothing to learn here."""
+        if self.rank is not None:
+            self._learn_pieces(ref, ref.tier, durable_whole=False)
+
+    def _learn_part(self, ref: SaveRef) -> None:
+        """Version 3: this rank's part of ``ref`` was committed locally: the next
+        local save skips its pieces (the intent naming them is written now)."""
+        if self.pieces is not None:
+            self.pieces.learn(part_record(ref.record, self.rank))
 
     def publish_record(self, ctx: WriterContext, data: bytes) -> SaveRef:
         """A member rank: publish the coordinator's commit record (its exact
@@ -417,8 +447,10 @@ class TierSet:
         rec = CommitRecord.decode(data, "the coordinator's commit record", run_id=self.durable_io.run_id)
         if rec.encode() != data:
             raise CorruptionError("the coordinator's commit record is not in canonical form; not published")
-        ctx = self.local.writer(self.attempt, self.writer_id)
-        return self._published(publish_part(ctx, rec, sorted((rec.ranks or {}).get(self.rank, ()))))
+        ctx = self.local.writer(self.attempt, self.writer_id, self.pieces)
+        ref = publish_part(ctx, rec, sorted((rec.ranks or {}).get(self.rank, ())))
+        self._learn_part(ref)
+        return self._published(ref)
 
     def _published(self, ref: SaveRef) -> SaveRef:
         assert self.replicator is not None

@@ -133,11 +133,10 @@ def test_early_replication_on_a_version_3_run_is_refused_at_open_with_the_fix(
 @pytest.mark.backends("local")
 @pytest.mark.parametrize(("opts", "message"), [
     ({"rank": 0, "early_replication": True}, "early_replication is for one process"),
-    ({"rank": 0, "protocol_version": 3}, "local_tier on many ranks with a protocol version 3 run"),
     ({"early_replication": True, "protocol_version": 3}, "early_replication is not available on a protocol version 3"),
     ({"keep": 0}, "must be at least 1"),
     ({"join_attempt": 1}, "local_tier with join_attempt needs the rank's tier"),
-], ids=["ranks-early", "ranks-v3", "v3-early", "keep-0", "join-no-rank"])
+], ids=["ranks-early", "v3-early", "keep-0", "join-no-rank"])
 def test_each_refused_combination_names_its_fix_before_anything_is_written(
         backend: Backend, tmp_path: Path, opts: dict[str, Any], message: str) -> None:
     from ckptstore import OpenOptions, TierOptions

@@ -7,7 +7,10 @@ tier), args: ``local`` (the job's local_tier: rank r uses ``<local>/rank-<r>``),
 ``steps``, ``every`` (replicate_every), ``flush`` (seconds each rank waits for
 replication after its saves), ``kill`` ({"rank", "step"}: that rank SIGKILLs
 itself when its replicator starts uploading its part of that step, once its
-``save()`` of that step returned: the save is acknowledged on every rank), ``fault``
+``save()`` of that step returned: the save is acknowledged on every rank),
+``protocol_version`` (of the run the job creates; 3: pieces, with a short
+``PieceTiming`` window, and each rank also writes ``rank<r>/frozen``, the same
+bytes at every step), ``fault``
 ({"rank", "step", "point", "action"}: that rank runs ``die`` (SIGKILL) or
 raises at the :func:`ckptstore.distributed.coordinator.at_phase` point
 ``point`` of that step's save), ``timeout`` (the channel's deadline).
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 import threading
 import traceback
@@ -27,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore import AuthOptions, OpenOptions, TierOptions, keyring_from_file
+from ckptstore import AuthOptions, OpenOptions, PieceTiming, TierOptions, keyring_from_file
 from ckptstore.distributed import coordinator, open_distributed
 from ckptstore.tiers import parts
 from tests.workers.dist_worker import blob, checkpointer, die, emit, err_json, save
@@ -35,6 +39,25 @@ from tests.workers.dist_worker import blob, checkpointer, die, emit, err_json, s
 
 def fail() -> None:
     raise OSError(28, "No space left on device (injected)")
+
+
+def frozen(rank: int, n: int = 1_500_000) -> bytes:
+    """Rank ``rank``'s frozen component: the same bytes at every step (its pieces are reused)."""
+    return random.Random(rank).randbytes(n)
+
+
+def save_pieced(run: Any, step: int) -> dict[str, Any]:
+    """A version-3 save of this rank's part: ``model`` and ``extra`` (new at
+    each step) and ``frozen`` (unchanged)."""
+    try:
+        with run.save(step, metadata={"step": step}) as s:
+            s.put(f"rank{run.rank}/model", blob(step, run.rank))
+            s.put(f"rank{run.rank}/extra", blob(step, run.rank, 3000))
+            s.put(f"rank{run.rank}/frozen", frozen(run.rank))
+        assert s.ref is not None
+        return {"ok": True, "step": s.ref.step, "save_id": s.ref.save_id, "digest": s.ref.manifest_digest}
+    except Exception as exc:  # noqa: BLE001
+        return err_json(exc)
 
 
 def main() -> None:
@@ -48,14 +71,16 @@ def main() -> None:
     if kill is not None and int(kill["rank"]) == rank:
         upload = parts.upload_components
 
-        def killing_upload(local: Any, durable: Any, ref: Any, names: Any = None, on_component: Any = None) -> None:
+        def killing_upload(local: Any, durable: Any, ref: Any, names: Any = None, on_component: Any = None,
+                           **kw: Any) -> None:
             if ref.step == int(kill["step"]):
                 returned.wait(60)  # the upload starts at the local commit: die once every rank was told
                 die()  # this rank's part of the step never reaches the durable tier
-            upload(local, durable, ref, names, on_component)
+            upload(local, durable, ref, names, on_component, **kw)
 
         parts.upload_components = killing_upload  # type: ignore[assignment]
     ident = {"data_digest": "d", "code_digest": "c", "world_size": world}
+    version = args.get("protocol_version")
     try:
         run = open_distributed(
             spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None,
@@ -63,7 +88,8 @@ def main() -> None:
             options=OpenOptions(tiers=TierOptions(args["local"], replicate_every=int(args.get("every", 1)),
                                                   close_flush_seconds=float(args.get("close_flush", 10))),
                                 auth=AuthOptions("require", keyring_from_file(args["key_file"]))
-                                if args.get("key_file") else AuthOptions()),
+                                if args.get("key_file") else AuthOptions(),
+                                protocol_version=version, pieces=PieceTiming(window=0.2) if version == 3 else PieceTiming()),
         )
     except Exception as exc:  # noqa: BLE001
         emit(event="open", **err_json(exc))
@@ -74,7 +100,10 @@ def main() -> None:
     if ref is not None:
         try:
             data = run.store.read(ref, f"rank{rank}/model")
-            emit(event="read", ok=data == blob(ref.step, rank), tier=ref.tier)
+            ok = data == blob(ref.step, rank)
+            if version == 3:
+                ok = ok and run.store.read(ref, f"rank{rank}/frozen") == frozen(rank)
+            emit(event="read", ok=ok, tier=ref.tier)
         except Exception as exc:  # noqa: BLE001
             emit(event="read", **err_json(exc))
     if "stop" in args:  # Checkpointer(RankStore(run)) on top, unchanged
@@ -87,7 +116,7 @@ def main() -> None:
         faulty = fault is not None and int(fault["rank"]) == rank and int(fault["step"]) == step
         if faulty:
             coordinator.at_phase(fault["point"], die if fault.get("action", "die") == "die" else fail)
-        emit(event=f"save{step}", **save(run, step, None))
+        emit(event=f"save{step}", **(save_pieced(run, step) if version == 3 else save(run, step, None)))
         if kill is not None and int(kill["step"]) == step:
             returned.set()
         if faulty:

@@ -140,7 +140,6 @@ class CheckpointStore:
         self._catalog, self._reader = self._durable.catalog, self._durable.reader
         # the run's own version decides (an existing run)
         check_combination(o, pieces=self._io.layout.pieces, joined=join_attempt is not None)
-        self._close_flush = o.tiers.close_flush_seconds if o.tiers is not None else 0.0
         #: where the saves live (``ckptstore.placement``): every tier-dependent step is delegated to it
         self._place: Placement = open_placement(self._durable, o.tiers, o.retry)
         if self.mode == "w":
@@ -611,7 +610,7 @@ class CheckpointStore:
     def close(self) -> None:
         """Wait up to ``close_flush_seconds`` for replication (tiered), end this
         writer's save intent (version 3), then release the backends."""
-        self._place.close(self._close_flush)
+        self._place.close()
         self.backend.close()
 
     def __enter__(self) -> CheckpointStore:

@@ -155,7 +155,7 @@ class OneTier:
     def gc_local(self, *, keep_last: int, dry_run: bool, deep: bool, grace_seconds: float) -> GcReport:
         raise InvalidInputError("this store has no local tier (open it with options=OpenOptions(tiers=TierOptions(...)))")
 
-    def close(self, flush_seconds: float) -> None:
+    def close(self) -> None:
         """End this writer's save intent (version 3): its commits mark their
         pieces now; a killed writer's intent expires instead."""
         if self.pieces is not None:

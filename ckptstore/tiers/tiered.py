@@ -596,12 +596,13 @@ class TierSet:
             "resumes from the local copy and replicates it",
             NotDurableAtExitWarning, stacklevel=1)
 
-    def close(self, flush_seconds: float) -> None:
+    def close(self) -> None:
+        """Wait up to ``close_flush_seconds`` for replication, stop it, release the local tier."""
         _OPEN.discard(self)
         if self.replicator is not None:
-            self.replicator.flush(flush_seconds)
+            self.replicator.flush(self.exit_flush_seconds)
             self.replicator.close()
         if self.pieces is not None:
             self.pieces.close()
         self.local.backend.close()
-        self.durable.close(0.0)
+        self.durable.close()

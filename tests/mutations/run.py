@@ -291,8 +291,34 @@ def apply(m: Mutation, scratch: Path) -> None:
         path.write_text(text)
 
 
+#: A pytest plug-in for the mutated runs (written into the scratch copy, loaded with ``-p``): once a
+#: test function has a failing case, its remaining cases are skipped. A mutation is caught when every
+#: named node has at least one failing case, so the cases after a node's first failure cannot change the
+#: verdict; the baseline runs every case.
+FIRST_FAILURE_PLUGIN = "ckpt_mutation_first_failure"
+FIRST_FAILURE_SOURCE = '''"""tests/mutations/run.py: skip the rest of a test function's cases after its first failure."""
+import pytest
+
+_failed = set()
+
+
+def _function(nodeid):
+    return nodeid.split("[", 1)[0]
+
+
+def pytest_runtest_setup(item):
+    if _function(item.nodeid) in _failed:
+        pytest.skip("this test function already failed under the mutation")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.failed:  # what -rf reports as FAILED
+        _failed.add(_function(report.nodeid))
+'''
+
+
 def run_pytest(scratch: Path, nodes: tuple[str, ...], backends: str, *, pycache: Path | None = None,
-               servers: str | None = None) -> tuple[int, str]:
+               servers: str | None = None, first_failure: bool = False) -> tuple[int, str]:
     """Run ``nodes`` in ``scratch``. ``pycache``: the bytecode cache outside any source tree
     (``PYTHONPYCACHEPREFIX``, the one tests/conftest.py gives the suite's processes): nothing is written
     into a copy or the environment, and pytest's assertion-rewritten modules (hypothesis and the other
@@ -311,6 +337,9 @@ def run_pytest(scratch: Path, nodes: tuple[str, ...], backends: str, *, pycache:
     if servers:
         env["CKPT_TEST_SERVERS"] = servers
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line", *nodes]
+    if first_failure:
+        (scratch / f"{FIRST_FAILURE_PLUGIN}.py").write_text(FIRST_FAILURE_SOURCE)
+        cmd[3:3] = ["-p", FIRST_FAILURE_PLUGIN]  # importable: ``python -m`` puts the copy's root on sys.path
     p = subprocess.run(cmd, check=False, cwd=scratch, env=env, capture_output=True, text=True, timeout=PYTEST_TIMEOUT_S)
     return p.returncode, p.stdout + p.stderr
 
@@ -386,7 +415,8 @@ def main() -> int:
             scratch = Path(tmp) / m.name
             copy_repo(scratch)
             apply(m, scratch)
-            rc, out = run_pytest(scratch, m.must_fail, m.backends, pycache=pycache, servers=servers)
+            rc, out = run_pytest(scratch, m.must_fail, m.backends, pycache=pycache, servers=servers,
+                                 first_failure=True)
             failed = failed_nodes(out)
             missed = [n for n in m.must_fail if not any(f == n or f.startswith(n + "[") for f in failed)]
             caught = rc == 1 and not missed

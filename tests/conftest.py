@@ -222,3 +222,27 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     big = {str(p.relative_to(pkg)): n for p in pkg.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
     if big:
         terminalreporter.write_line(f"note: modules over 450 lines (does each still have one job?): {big}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``./dev test``: ``--dist loadfile --no-loadscope-reorder``) a test file is one
+    unit of work, handed out in collection order as a worker frees up. The files that take longest go
+    first (seconds per file from a full run, tests/module_seconds.json; a file not listed goes after
+    them, in its usual order), so the run does not end waiting on a long file started last, while
+    the other worker idles. Only the order of files changes: within a file, tests keep their order."""
+    if not hasattr(config, "workerinput"):
+        return  # not an xdist worker: the usual order
+    import json
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    seconds: dict[str, float] = json.loads((here / "module_seconds.json").read_text())
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def weight(item: pytest.Item) -> tuple[float, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return -seconds.get(path.removeprefix("tests/"), 0.0), first[path]
+
+    items.sort(key=weight)  # stable: a file's tests stay in their order

@@ -8,8 +8,11 @@ For each entry of ``MUTATIONS`` the script copies the repository (tracked and
 untracked, not ignored, files) to a scratch directory, applies the mutation's
 text edits there, and runs the tests named in ``must_fail`` against the copy.
 The mutation is *caught* when every named test node has at least one failing
-case. Before any mutation, the same tests run on an unmodified copy and must
-pass (otherwise a "caught" mutation would prove nothing).
+case (so a mutated run skips a node's remaining cases after its first failure).
+Before any mutation, the same tests run on an unmodified copy and must pass,
+every case (otherwise a "caught" mutation would prove nothing). The object-store
+servers are started once for the whole check, and every run shares one bytecode
+cache outside the copies.
 
 An edit is a unique snippet of the current source and its replacement. A
 snippet that is missing or occurs more than once fails the run loudly
@@ -22,7 +25,7 @@ layered core — writer, fencing, catalog, gcrun, runio, protocol/gcplan.)
 Part of the default test command through ``tests/house/test_mutation_check.py``:
 one test checks that every snippet still occurs exactly once (a refactor that
 moves one fails there, by name), one runs this script and requires every
-mutation caught (about 45 s on the 2-core machine).
+mutation caught.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Set ``CKPT_BACKENDS=memory,local`` to narrow a local run; CI runs them all.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -18,6 +19,17 @@ from hypothesis import HealthCheck, settings
 # Before anything imports gcsfs (the plug-in tests' frameworks may): against the
 # GCS emulator gcsfs's experimental default would probe buckets over gRPC.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+#: Where the processes the suite starts keep their bytecode when the environment forbids writing it
+#: next to the sources (``PYTHONDONTWRITEBYTECODE``, as the machine the suite is timed on does): without
+#: it every rank worker, trainer, CLI child and xdist worker compiles ckptstore and the test modules
+#: again (~0.7 s CPU each, hundreds of processes a run). A prefix outside the tree keeps the tree as clean;
+#: a pyc file stays validated against its source's mtime and size, as everywhere.
+PYCACHE_PREFIX = os.environ.get("PYTHONPYCACHEPREFIX") or os.path.join(
+    tempfile.gettempdir(), f"ckptstore-pycache-{os.getuid()}")
+if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
+    os.environ.pop("PYTHONDONTWRITEBYTECODE")
+    os.environ["PYTHONPYCACHEPREFIX"] = PYCACHE_PREFIX
 
 # Hypothesis profiles: "default" is the bounded profile of the normal suite;
 # "deep" runs >= 100,000 state-machine steps (pytest --hypothesis-profile=deep).
@@ -114,6 +126,13 @@ def backend(backend_factory: Callable[[], Backend]) -> Backend:
     return backend_factory()
 
 
+def _attached_servers() -> dict[str, int]:
+    """``CKPT_TEST_SERVERS``: ``{"moto": port, ...}`` of servers already running on 127.0.0.1."""
+    import json
+
+    return {str(k): int(v) for k, v in json.loads(os.environ.get("CKPT_TEST_SERVERS") or "{}").items()}
+
+
 class ObjectServers:
     """Session-wide servers, started on first use, stopped at session end.
 
@@ -137,6 +156,12 @@ class ObjectServers:
 
         if kind in self.failures:
             pytest.fail(f"{kind} server failed to start earlier:\n{self.failures[kind]}", pytrace=False)
+        if kind not in self.servers and kind in _attached_servers():
+            # a server a parent process started and owns (tests/mutations/run.py starts one set for its
+            # many pytest runs): used on its port, never started, stopped or restarted here (pid 0)
+            srv = SERVERS[kind]()
+            srv.port = _attached_servers()[kind]
+            self.servers[kind] = srv
         if kind not in self.servers:
             try:
                 self.servers[kind] = SERVERS[kind]().start()
@@ -197,3 +222,27 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     big = {str(p.relative_to(pkg)): n for p in pkg.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
     if big:
         terminalreporter.write_line(f"note: modules over 450 lines (does each still have one job?): {big}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``./dev test``: ``--dist loadfile --no-loadscope-reorder``) a test file is one
+    unit of work, handed out in collection order as a worker frees up. The files that take longest go
+    first (seconds per file from a full run, tests/module_seconds.json; a file not listed goes after
+    them, in its usual order), so the run does not end waiting on a long file started last, while
+    the other worker idles. Only the order of files changes: within a file, tests keep their order."""
+    if not hasattr(config, "workerinput"):
+        return  # not an xdist worker: the usual order
+    import json
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    seconds: dict[str, float] = json.loads((here / "module_seconds.json").read_text())
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def weight(item: pytest.Item) -> tuple[float, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return -seconds.get(path.removeprefix("tests/"), 0.0), first[path]
+
+    items.sort(key=weight)  # stable: a file's tests stay in their order

@@ -8,8 +8,11 @@ For each entry of ``MUTATIONS`` the script copies the repository (tracked and
 untracked, not ignored, files) to a scratch directory, applies the mutation's
 text edits there, and runs the tests named in ``must_fail`` against the copy.
 The mutation is *caught* when every named test node has at least one failing
-case. Before any mutation, the same tests run on an unmodified copy and must
-pass (otherwise a "caught" mutation would prove nothing).
+case (so a mutated run skips a node's remaining cases after its first failure).
+Before any mutation, the same tests run on an unmodified copy and must pass,
+every case (otherwise a "caught" mutation would prove nothing). The object-store
+servers are started once for the whole check, and every run shares one bytecode
+cache outside the copies.
 
 An edit is a unique snippet of the current source and its replacement. A
 snippet that is missing or occurs more than once fails the run loudly
@@ -22,12 +25,14 @@ layered core — writer, fencing, catalog, gcrun, runio, protocol/gcplan.)
 Part of the default test command through ``tests/house/test_mutation_check.py``:
 one test checks that every snippet still occurs exactly once (a refactor that
 moves one fails there, by name), one runs this script and requires every
-mutation caught (about 45 s on the 2-core machine).
+mutation caught.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -35,8 +40,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTEST_TIMEOUT_S = 900
@@ -287,10 +294,55 @@ def apply(m: Mutation, scratch: Path) -> None:
         path.write_text(text)
 
 
-def run_pytest(scratch: Path, nodes: tuple[str, ...], backends: str) -> tuple[int, str]:
-    env = {**os.environ, "CKPT_BACKENDS": backends, "PYTHONDONTWRITEBYTECODE": "1"}
+#: A pytest plug-in for the mutated runs (written into the scratch copy, loaded with ``-p``): once a
+#: test function has a failing case, its remaining cases are skipped. A mutation is caught when every
+#: named node has at least one failing case, so the cases after a node's first failure cannot change the
+#: verdict; the baseline runs every case.
+FIRST_FAILURE_PLUGIN = "ckpt_mutation_first_failure"
+FIRST_FAILURE_SOURCE = '''"""tests/mutations/run.py: skip the rest of a test function's cases after its first failure."""
+import pytest
+
+_failed = set()
+
+
+def _function(nodeid):
+    return nodeid.split("[", 1)[0]
+
+
+def pytest_runtest_setup(item):
+    if _function(item.nodeid) in _failed:
+        pytest.skip("this test function already failed under the mutation")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.failed:  # what -rf reports as FAILED
+        _failed.add(_function(report.nodeid))
+'''
+
+
+def run_pytest(scratch: Path, nodes: tuple[str, ...], backends: str, *, pycache: Path | None = None,
+               servers: str | None = None, first_failure: bool = False) -> tuple[int, str]:
+    """Run ``nodes`` in ``scratch``. ``pycache``: the bytecode cache outside any source tree
+    (``PYTHONPYCACHEPREFIX``, the one tests/conftest.py gives the suite's processes): nothing is written
+    into a copy or the environment, and pytest's assertion-rewritten modules (hypothesis and the other
+    plug-ins: ~1.5 s of compiling per run) are compiled once, not once per run; the cache is keyed by
+    source path, so each copy's ckptstore compiles its own (removed with the copy). ``servers``: the
+    object-store servers this check started (``CKPT_TEST_SERVERS``, tests/conftest.py), instead of a
+    fresh set per run."""
+    env = {**os.environ, "CKPT_BACKENDS": backends}
     env.pop("PYTHONPATH", None)
+    env.pop("CKPT_TEST_SERVERS", None)
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if servers:
+        env["CKPT_TEST_SERVERS"] = servers
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line", *nodes]
+    if first_failure:
+        (scratch / f"{FIRST_FAILURE_PLUGIN}.py").write_text(FIRST_FAILURE_SOURCE)
+        cmd[3:3] = ["-p", FIRST_FAILURE_PLUGIN]  # importable: ``python -m`` puts the copy's root on sys.path
     p = subprocess.run(cmd, check=False, cwd=scratch, env=env, capture_output=True, text=True, timeout=PYTEST_TIMEOUT_S)
     return p.returncode, p.stdout + p.stderr
 
@@ -304,6 +356,28 @@ def check_imports_scratch(scratch: Path) -> None:
                        cwd=scratch, capture_output=True, text=True, check=True)
     if not Path(p.stdout).resolve().is_relative_to(scratch.resolve()):
         raise SystemExit(f"the scratch copy does not import its own ckptstore (got {p.stdout}); aborting")
+
+
+@contextlib.contextmanager
+def started_servers(chosen: list[Mutation]) -> Iterator[str]:
+    """The object-store servers the chosen mutations' backends need, started once for the whole check
+    (moto takes ~3 s to start, SeaweedFS ~4 s) and handed to every run as ``CKPT_TEST_SERVERS``
+    (tests/conftest.py attaches to them instead of starting its own); each test still works under its
+    own unique prefix. A server that cannot start fails the check with its log."""
+    kinds = sorted({k.strip().removesuffix("-obstore") for m in chosen for k in m.backends.split(",")}
+                   & {"seaweedfs", "moto", "fakegcs"})
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from devservers.servers import SERVERS
+
+    started: list[Any] = []
+    try:
+        for kind in kinds:
+            started.append(SERVERS[kind]().start())
+        yield json.dumps({srv.name: srv.port for srv in started})
+    finally:
+        for srv in started:
+            srv.stop()
 
 
 def main() -> int:
@@ -322,7 +396,9 @@ def main() -> int:
         return 0
     t0 = time.monotonic()
     results: list[tuple[Mutation, bool, str, float]] = []
-    with tempfile.TemporaryDirectory(prefix="ckpt-mutations-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ckpt-mutations-") as tmp, started_servers(chosen) as servers:
+        pycache = Path(os.environ.get("PYTHONPYCACHEPREFIX")
+                       or Path(tempfile.gettempdir()) / f"ckptstore-pycache-{os.getuid()}")
         base = Path(tmp) / "baseline"
         copy_repo(base)
         check_imports_scratch(base)
@@ -331,7 +407,7 @@ def main() -> int:
         for m in chosen:
             groups.setdefault(m.backends, set()).update(m.must_fail)
         for backends, nodes in groups.items():
-            rc, out = run_pytest(base, tuple(sorted(nodes)), backends)
+            rc, out = run_pytest(base, tuple(sorted(nodes)), backends, pycache=pycache, servers=servers)
             if rc != 0:
                 print(out[-4000:])
                 print(f"BASELINE FAILED (CKPT_BACKENDS={backends}): the named tests must pass on the unmodified code")
@@ -342,7 +418,8 @@ def main() -> int:
             scratch = Path(tmp) / m.name
             copy_repo(scratch)
             apply(m, scratch)
-            rc, out = run_pytest(scratch, m.must_fail, m.backends)
+            rc, out = run_pytest(scratch, m.must_fail, m.backends, pycache=pycache, servers=servers,
+                                 first_failure=True)
             failed = failed_nodes(out)
             missed = [n for n in m.must_fail if not any(f == n or f.startswith(n + "[") for f in failed)]
             caught = rc == 1 and not missed
@@ -356,6 +433,7 @@ def main() -> int:
             print(f"{'CAUGHT ' if caught else 'SURVIVED'} {m.name:32} {time.monotonic() - t1:5.0f}s  {detail}",
                   flush=True)
             shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(pycache / scratch.resolve().relative_to(scratch.resolve().anchor), ignore_errors=True)
     survived = [m.name for m, ok, _, _ in results if not ok]
     print(f"\n{len(results) - len(survived)}/{len(results)} mutations caught in {time.monotonic() - t0:.0f}s"
           + (f"; SURVIVED: {', '.join(survived)}" if survived else ""))

@@ -1,5 +1,5 @@
 """The two tiers of one store together: what :class:`~ckptstore.CheckpointStore`
-delegates to when it was opened with ``local_tier=`` (PROTOCOL.md §"Tiers",
+delegates to (its placement) when opened with ``OpenOptions(tiers=...)`` (PROTOCOL.md §"Tiers",
 ``docs/tiers.md``).
 
 * save: stage and publish in the local tier (local-disk speed), then queue the

@@ -36,6 +36,7 @@ PUBLIC = [
     "ckptstore.errors",
     "ckptstore.identity",
     "ckptstore.retry",
+    "ckptstore.options",
     "ckptstore.backends",
     "ckptstore.backends.faults",
     "ckptstore.tiers",

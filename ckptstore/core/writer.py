@@ -272,11 +272,13 @@ def _seal(
 
 
 def _create(
-    ctx: WriterContext, step: int, save_id: str, record: CommitRecord, comps: Mapping[str, ComponentEntry]
-) -> None:
+    ctx: WriterContext, step: int, save_id: str, record: CommitRecord, comps: Mapping[str, ComponentEntry],
+    again_ok: bool,
+) -> bool:
     """Publish, step 3 (§4.3 step 6): create-if-absent of the commit record.
     A :class:`CommitUnknownError` passes through with the components kept
-    (the record may have landed)."""
+    (the record may have landed). ``again_ok``: a record already there with
+    exactly these bytes is this save's own (False), not a conflict."""
     key = ctx.io.layout.commit_key(ctx.io.run_id, step, ctx.attempt.number)
     data = record.encode()
     try:
@@ -290,11 +292,14 @@ def _create(
         _settle_failed_commit(ctx, key, data, save_id, comps, exc)
         raise
     if not created:
+        if again_ok and ctx.io.get_bounded(key, len(data) + 1) == data:
+            return False
         remove_components(ctx.io, save_id, comps)
         raise CommitConflictError(
-            f"run {ctx.io.run_id!r}: step {step} was already committed by another writer of "
+            f"{ctx.io.where(key)}: step {step} was already committed by another writer of "
             f"attempt {ctx.attempt.number}; this save ({save_id}) was not published"
         )
+    return True
 
 
 def _post_fence(ctx: WriterContext, step: int) -> None:
@@ -310,6 +315,25 @@ def _post_fence(ctx: WriterContext, step: int) -> None:
             f"check failed ({redact_text(str(exc))}); treat the save as not acknowledged — latest_complete() tells whether "
             "it is selectable"
         ) from exc
+
+
+def commit_record(
+    ctx: WriterContext, step: int, save_id: str, record: CommitRecord, comps: Mapping[str, ComponentEntry],
+    *, again_ok: bool = False,
+) -> bool:
+    """The one commit sequence (§4.3 steps 6-7) of every publication in every
+    tier — a save, a rank's part, a replication — after the caller's pre-commit
+    fence (run with its inventory check, step 5): the record's canonical bytes
+    created if absent (a lost reply is settled by reading them back,
+    ``RunIO.create``), then the post-commit fence. ``comps``: what this call
+    may remove when nothing was published (a replication passes none: other
+    ranks uploaded them). ``again_ok``: a record already there with the same
+    bytes is this save's own earlier try (a replication retried): False. True
+    when this call created the record. Raises a :class:`SaveNotPublishedError`
+    subclass."""
+    created = _create(ctx, step, save_id, record, comps, again_ok)
+    _post_fence(ctx, step)
+    return created
 
 
 def publish(
@@ -337,8 +361,7 @@ def publish(
         pieces = ctx.pieces.active(save_id)
     rank_map = _check(ctx, step, save_id, comps, ranks, expect, pieces)
     record = _seal(ctx, step, save_id, comps, metadata, rank_map, world_size)
-    _create(ctx, step, save_id, record, comps)
-    _post_fence(ctx, step)
+    commit_record(ctx, step, save_id, record, comps)
     if ctx.pieces is not None:
         ctx.pieces.learn(record)  # the next save skips these pieces; their intent is written now
     return SaveRef.of(record)
@@ -398,8 +421,7 @@ def publish_part(ctx: WriterContext, record: CommitRecord, names: Sequence[str])
     except BaseException:
         remove_components(ctx.io, save_id, mine)
         raise
-    _create(ctx, step, save_id, record, mine)
-    _post_fence(ctx, record.step)
+    commit_record(ctx, step, save_id, record, mine)
     return SaveRef.of(record)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from ..core.bounded_io import RunIO
 from ..core.fencing import AttemptLog
 from ..core.pieces import PieceTiming, check_pieces
+from ..core.writer import WriterContext, commit_record
 from ..errors import (
     CkptStoreError,
     CommitConflictError,
@@ -162,26 +163,21 @@ def upload_components(local: RunIO, durable: RunIO, ref: SaveRef, names: Iterabl
 def commit_durable(durable: RunIO, attempts: AttemptLog, ref: SaveRef, *, attempt: AttemptRecord | None = None
                    ) -> bool:
     """Create the durable commit record of ``ref`` (every component already
-    uploaded and checked): the *same bytes* as the local one, between the
-    durable pre- and post-commit fences. True when this call created it, False
-    when it was already there with the same bytes; :class:`SupersededError`
+    uploaded and checked): the *same bytes* as the local one, by the one commit
+    sequence (``core.writer.commit_record``) after the durable pre-commit
+    fence. True when this call created it, False when it was already there
+    with the same bytes (a retry after a lost reply); :class:`SupersededError`
     when the fences refuse it, :class:`CommitConflictError` when the durable
-    tier holds another commit of the same step and attempt. ``attempt``: the
-    save's attempt record when the caller already read it."""
+    tier holds another commit of the same step and attempt, and
+    :class:`CommitUnknownError` when the outcome cannot be told (retried).
+    Nothing uploaded is removed on a failure: other ranks' parts may be among
+    it. ``attempt``: the save's attempt record when the caller already read it."""
     rec = ref.record
-    data = rec.encode()  # the canonical bytes: the same manifest digest in both tiers
-    key = durable.layout.commit_key(durable.run_id, rec.step, rec.attempt)
     if attempt is None:
         attempt = attempts.read(rec.attempt)
     attempts.check_not_superseded(attempt, rec.step, committed=False)
-    created = durable.create(key, data, what="commit record")
-    if not created:
-        there = durable.get_bounded(key, len(data) + 1)
-        if there != data:
-            raise CommitConflictError(f"{durable.where(key)}: the durable tier holds another commit of step "
-                                      f"{rec.step}, attempt {rec.attempt}; the local copy is not replicated")
-    attempts.check_not_superseded(attempt, rec.step, committed=True)
-    return created
+    ctx = WriterContext(durable, attempts, attempt, rec.writer_id, rec.identity_digest, attempts.auth)
+    return commit_record(ctx, rec.step, rec.save_id, rec, {}, again_ok=True)
 
 
 def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,

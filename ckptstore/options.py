@@ -49,7 +49,10 @@ class TierOptions:
     path: str | os.PathLike[str]
     #: saves kept in the local tier besides those waiting for replication
     keep: int = 2
-    #: replicate every K-th local save (the resume point and preemption saves always)
+    #: replicate every K-th local save (the resume point and preemption saves always). The
+    #: count starts at each open with the first save handed to replication (the resume point
+    #: when only the local tier holds it, else the first new save): after a restart the
+    #: durable steps are not those an uninterrupted run would have made (docs/tiers.md)
     replicate_every: int = 1
     #: saves waiting for replication at most; beyond it the oldest are skipped (newest wins)
     max_lag: int = 2

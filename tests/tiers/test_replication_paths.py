@@ -83,3 +83,30 @@ def test_a_local_copy_corrupted_before_replication_is_never_replicated(
     r = CheckpointStore.open(backend_factory(), "run", mode="r")
     # the corrupt component never landed (the good one may have: uncommitted, gc removes it)
     assert component_key("run", ref.save_id, "a") not in r.backend.list_keys(f"run/saves/{ref.save_id}/")
+
+
+def test_replicate_every_counts_from_each_open(backend_factory: Callable[[], Backend], tmp_path: Path) -> None:
+    """docs/tiers.md: the first save handed to replication after an open is made
+    durable, then every K-th; after a restart from a save only the local tier
+    holds, that save is the first (replicated whatever K is)."""
+    s = open_tiered(backend_factory(), tmp_path / "nvme", replicate_every=3)
+    for step in range(1, 6):
+        save(s, step)
+    assert s.flush(30)
+    s.close()
+    assert durable_steps(backend_factory()) == [1, 4]  # 5 stays local only
+    s = open_tiered(backend_factory(), tmp_path / "nvme", replicate_every=3)
+    ref = s.latest_complete()
+    assert ref is not None and ref.step == 5 and ref.tier == "local"
+    for step in range(6, 10):
+        save(s, step)
+    assert s.flush(30)
+    s.close()
+    assert durable_steps(backend_factory()) == [1, 4, 5, 8]
+    s = open_tiered(backend_factory(), tmp_path / "nvme", replicate_every=3)
+    save(s, 10)  # the resume point (9) is local only again: 9 first, then 12
+    for step in (11, 12):
+        save(s, step)
+    assert s.flush(30)
+    s.close()
+    assert durable_steps(backend_factory()) == [1, 4, 5, 8, 9, 12]

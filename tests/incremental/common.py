@@ -12,15 +12,18 @@ from ckptstore.protocol.pieces import PACK_BYTES, PIECE_BYTES
 
 IDENT = {"data_digest": "data-21", "code_digest": "code-21"}
 RUN = "inc"
-#: short times, so that intents expire and pieces age within a test
-TIMING = PieceTiming(window=0.2, intent_ttl=1.0)
-GRACE = 1.0
+#: the window of every test writer and gc: short, so that a writer's wait for its intent to be old
+#: enough to rely on (``window`` after it landed) costs little; a slower machine only waits longer
+WINDOW = 0.2
 #: a frozen backbone of two large pieces (the last one short) before the head
 FROZEN = os.urandom(PIECE_BYTES + PACK_BYTES + 12345)
 
 
-def open_store(backend: Backend, **kw: object) -> CheckpointStore:
-    return CheckpointStore.open(backend, RUN, identity=IDENT, protocol_version=3, piece_timing=TIMING, **kw)  # type: ignore[arg-type]
+def open_store(backend: Backend, clock: Clock | None = None, **kw: object) -> CheckpointStore:
+    """A version-3 writer with the long timing (no save of a test overruns its intent's lifetime),
+    its intents dated by ``clock`` (the real one by default)."""
+    return CheckpointStore.open(backend, RUN, identity=IDENT, protocol_version=3,
+                                piece_timing=long_timing(clock), **kw)  # type: ignore[arg-type]
 
 
 def head(step: int) -> bytes:
@@ -35,12 +38,10 @@ def save(store: CheckpointStore, step: int, frozen: bytes = FROZEN) -> bytes:
     return frozen + head(step)
 
 
-def age_past_grace() -> None:
-    time.sleep(GRACE + 0.1)
-
-
 #: an intent lifetime (and gc grace) no test step overruns: races are decided by the injected clocks below
 LONG = 3600.0
+#: gc's grace period in these tests: at least the intents' lifetime (gc refuses to sweep otherwise)
+GRACE = LONG
 
 
 class Clock:
@@ -56,7 +57,28 @@ class Clock:
 
 
 def long_timing(clock: Clock | None = None) -> PieceTiming:
-    return PieceTiming(window=TIMING.window, intent_ttl=LONG, clock=clock or Clock())
+    """The timing of every test writer and gc: intents live LONG (a save that takes longer than
+    ``LONG - WINDOW`` is aborted, which no test step comes near), dated and judged by ``clock``."""
+    return PieceTiming(window=WINDOW, intent_ttl=LONG, clock=clock or Clock())
+
+
+def age_past_grace(clock: Clock) -> None:
+    """Time passes for everyone who reads ``clock``: every intent dated by it so far expires and
+    every piece written so far is older than GRACE (piece ages are the server's real-time
+    LastModified judged against ``clock``). Only while nothing is being written that a gc at
+    ``clock`` judges later: a piece written after this is as old to that gc as the ones before."""
+    clock.offset += LONG + 2
+
+
+def wait_for_intent(backend: Backend, timeout: float = 120.0) -> None:
+    """A barrier: the intent a writer starts writing in the background after its commit is there
+    (``timeout`` only bounds a hang; a slow machine just takes longer)."""
+    from ckptstore.protocol.layout import intents_prefix
+
+    end = time.monotonic() + timeout
+    while not backend.list_keys(intents_prefix(RUN)):
+        assert time.monotonic() < end, "the writer's save intent never appeared"
+        time.sleep(0.01)
 
 
 def gc_clock_past(backend: Backend, holder: str) -> Clock:

@@ -40,7 +40,7 @@ def test_ls_and_gc_report_pieces(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_a_save_in_progress_is_listed_and_a_gone_holder_is_not(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ckptstore import CheckpointStore, SaveState
-    from tests.incremental.common import TIMING, head
+    from tests.incremental.common import head, long_timing
 
     backend = LocalBackend(tmp_path / "s")
     store = open_store(backend)
@@ -50,15 +50,15 @@ def test_a_save_in_progress_is_listed_and_a_gone_holder_is_not(tmp_path: Path, c
     assert store.gc(keep_last=1, grace_seconds=3600).deleted_saves
     w = store.save(3)
     w.put("model", [memoryview(FROZEN), memoryview(head(3))])  # pieces only: nothing under saves/ yet
-    infos = CheckpointStore.open(backend, RUN, piece_timing=TIMING).list_saves()
+    infos = CheckpointStore.open(backend, RUN, piece_timing=long_timing()).list_saves()
     by_step = {i.step: i for i in infos}
     assert sorted(by_step) == [2, 3], [(i.step, i.state, i.detail) for i in infos]
     assert by_step[3].state is SaveState.IN_PROGRESS and "piece(s)" in by_step[3].detail
     assert 0 < by_step[3].bytes < len(FROZEN)  # only the head was written: the backbone is step 1's
     assert main(["ls", str(tmp_path / "s"), RUN]) == 0
     assert "in-progress" in capsys.readouterr().out
-    later = CheckpointStore.open(backend, RUN, piece_timing=TIMING).list_saves(grace_seconds=0)
+    later = CheckpointStore.open(backend, RUN, piece_timing=long_timing()).list_saves(grace_seconds=0)
     assert {i.step: i.state for i in later}[3] is SaveState.PARTIAL
     w.put("state.json", b"{}")
     w.commit()
-    assert [i.step for i in CheckpointStore.open(backend, RUN, piece_timing=TIMING).list_saves()] == [3, 2]
+    assert [i.step for i in CheckpointStore.open(backend, RUN, piece_timing=long_timing()).list_saves()] == [3, 2]

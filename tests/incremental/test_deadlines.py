@@ -4,29 +4,28 @@ strictly and a part that outlived its protection aborts the publish."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from ckptstore.core.pieces import PieceDeadline, PieceTiming, check_deadlines
 from ckptstore.errors import SaveAbortedError
 
-T = PieceTiming(window=2.0, intent_ttl=60.0)
+#: the coordinator's clock, stopped: each case is decided by the numbers, not by how fast it runs
+NOW = 1_800_000_000.0
+T = PieceTiming(window=2.0, intent_ttl=60.0, clock=lambda: NOW)
 
 
 def test_fresh_parts_pass() -> None:
-    now = time.time()
-    check_deadlines({0: PieceDeadline(now - 1, None), 1: PieceDeadline(now - 5, now + 30)}, T, "s")
+    check_deadlines({0: PieceDeadline(NOW - 1, None), 1: PieceDeadline(NOW - 57.9, NOW + 2.1)}, T, "s")
 
 
 def test_a_part_that_began_too_long_ago_aborts() -> None:
     with pytest.raises(SaveAbortedError, match="rank 1's part took longer"):
-        check_deadlines({0: PieceDeadline(time.time(), None), 1: PieceDeadline(time.time() - 59, None)}, T, "s")
+        check_deadlines({0: PieceDeadline(NOW, None), 1: PieceDeadline(NOW - 58.1, None)}, T, "s")
 
 
 def test_an_intent_expiring_within_the_window_aborts() -> None:
     with pytest.raises(SaveAbortedError, match="intent rank 0 relies on expired"):
-        check_deadlines({0: PieceDeadline(time.time(), time.time() + 1.5)}, T, "s")
+        check_deadlines({0: PieceDeadline(NOW, NOW + 1.9)}, T, "s")
 
 
 @pytest.mark.parametrize("bad", [None, [], {}, {"started_at": 1.0}, {"started_at": "1", "intent_expires_at": None},

@@ -1,7 +1,11 @@
 """gc of shared pieces racing saves (PROTOCOL.md §9.3-9.5), on every backend:
 a save relying on another save's pieces survives that save's deletion and a
 gc in the middle of its upload; gc first and the save second; gc crashing at
-every operation; a killed writer's intent expires and its pieces go."""
+every operation; a killed writer's intent expires and its pieces go.
+
+Intents expire and pieces age by injected clocks (``Clock``), never by
+sleeping past a short lifetime: every intent lives an hour, so no save of
+a loaded machine runs out of protection."""
 
 from __future__ import annotations
 
@@ -15,14 +19,12 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import Crashed, FaultyBackend
 from ckptstore.core.collector import GcReport
-from ckptstore.core.pieces import PieceTiming
 from tests.incremental.common import (
     FROZEN,
     GRACE,
     IDENT,
     LONG,
     RUN,
-    TIMING,
     Clock,
     age_past_grace,
     gc_clock_past,
@@ -30,6 +32,7 @@ from tests.incremental.common import (
     long_timing,
     open_store,
     save,
+    wait_for_intent,
 )
 
 V3 = P.layout_of(3)
@@ -42,7 +45,7 @@ def delete_commit(backend: Backend, step: int) -> None:
 
 def assert_restores(backend: Backend, step: int, model: bytes) -> None:
     """The newest save is ``step``, verifies deep and reads back bit for bit."""
-    reader = CheckpointStore.open(backend, RUN, piece_timing=TIMING)
+    reader = CheckpointStore.open(backend, RUN, piece_timing=long_timing())
     ref = reader.latest_complete(deep=True)
     assert ref is not None and ref.step == step
     buf = bytearray(len(model))
@@ -85,36 +88,35 @@ def test_gc_while_a_save_reusing_pieces_uploads(backend: Backend) -> None:
     assert_restores(backend, 2, FROZEN + head(2))
 
 
+def gc_at(backend: Backend, clock: Clock) -> GcReport:
+    return CheckpointStore.open(backend, RUN, piece_timing=long_timing(clock)).gc(keep_last=1, grace_seconds=GRACE)
+
+
 def test_gc_first_then_the_save(backend: Backend) -> None:
-    writer = open_store(backend)
+    clock = Clock()  # the writer's and gc's
+    writer = open_store(backend, clock)
     save(writer, 1)
+    wait_for_intent(backend)  # dated before time passes
     delete_commit(backend, 1)
-    age_past_grace()  # the writer's intent has expired by now, A's pieces are old
-    report = CheckpointStore.open(backend, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
+    age_past_grace(clock)  # the writer's intent expires, A's pieces are old
+    report = gc_at(backend, clock)
     assert report.pieces_freed > 0 and report.piece_bytes_freed >= len(FROZEN) and report.intents_expired
     model = save(writer, 2)  # the writer still thinks it holds A's pieces: it must find out and write them again
     assert_restores(backend, 2, model)
 
 
 def test_a_killed_writers_intent_expires(backend: Backend) -> None:
-    # Seconds are margins here, not assumptions: on a busy machine a step of this test may take longer
-    # than GRACE, and gc rightly sweeps an unmarked piece older than its grace. gc's grace must be at
-    # least the intents' lifetime (it refuses to sweep otherwise), so both are LIVE seconds.
-    live = PieceTiming(window=TIMING.window, intent_ttl=3.0)
-    writer = CheckpointStore.open(backend, RUN, identity=IDENT, protocol_version=3, piece_timing=live)
-    save(writer, 1)
-    time.sleep(live.intent_ttl + 1.5)  # save 1's pieces: older than the first gc's grace
-    started = time.time()
-    staged = writer.stage(2)
+    writer, gc = writer_and_gc(backend)
+    staged = writer.stage(2)  # a fresh intent naming save 1's pieces (the writer's clock is past half the old one's life)
     staged.put("model", [memoryview(FROZEN), memoryview(head(2))])  # then the process dies: no publish, no close
     delete_commit(backend, 1)
     # within the intent's lifetime: save 1's pieces are old and marked only by the killed writer's
     # intent; the killed save's own new piece is younger than the grace
-    first = CheckpointStore.open(backend, RUN, piece_timing=live).gc(keep_last=1, grace_seconds=live.intent_ttl)
-    assert time.time() - started < live.intent_ttl, "the first gc came too late to judge the live intent"
+    first = gc()
     assert first.pieces_freed == 0 and not first.intents_expired and first.pieces_marked > 0
-    time.sleep(max(0.0, started + live.intent_ttl + 0.1 - time.time()))  # the intent expires
-    second = CheckpointStore.open(backend, RUN, piece_timing=live).gc(keep_last=1, grace_seconds=live.intent_ttl)
+    # the intent expires (its life is LONG from the writer's clock, at most LONG / 2 + 1 ahead of the real one),
+    # and every piece is older than the grace by then
+    second = gc_at(backend, Clock(offset=2 * LONG + 2))
     assert second.intents_expired and second.pieces_freed > 0 and second.piece_bytes_freed >= len(FROZEN)
     assert backend.list_keys(P.layout.intents_prefix(RUN)) == []
     assert backend.list_keys(P.layout.pieces_prefix(RUN)) == []
@@ -125,19 +127,20 @@ def test_gc_crashing_at_every_operation(backend: Backend) -> None:
     for step in (1, 2, 3):
         model = save(writer, step)
     writer.close()  # its intent goes; the commits mark their pieces
-    age_past_grace()
+    clock = Clock()
+    age_past_grace(clock)  # every piece is old to a gc at this clock
     n = 1
     while True:
         faulty = FaultyBackend(backend).crash_at(n)
         try:
-            CheckpointStore.open(faulty, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
+            gc_at(faulty, clock)
         except Crashed:
             assert_restores(backend, 3, model)  # whatever gc did up to the crash, the kept save is whole
             n += 1
             continue
         break
     assert n > 5
-    final = CheckpointStore.open(backend, RUN, piece_timing=TIMING)
+    final = CheckpointStore.open(backend, RUN, piece_timing=long_timing(clock))
     final.gc(keep_last=1, grace_seconds=GRACE)
     ref = final.latest_complete()
     assert ref is not None

@@ -9,18 +9,22 @@ and the coordinator's retention — never takes a piece a save needs."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptstore import CheckpointStore, SaveState
-from ckptstore.core.pieces import PieceTiming
+from ckptstore.backends.local import LocalBackend
+from ckptstore.protocol.layout import pieces_prefix
+from tests.incremental.common import GRACE, LONG, Clock, long_timing
 from tests.workers.dist_launch import RankResult, run_job
 
 WORKER = str(Path(__file__).parents[1] / "workers" / "piece_rank_worker.py")
-TIMING = PieceTiming(window=0.2, intent_ttl=3.0)
-GRACE = 3.0
+#: the ranks' and every reader's timing: intents live LONG (no save of a loaded machine outlives its
+#: protection); gc's pieces age by its own injected clock (see the gc test)
+TIMING = long_timing()
 IDENT = {"data_digest": "d", "code_digest": "c", "world_size": 2}
 STOP = 10
 BACKBONE = 1024 * 512 * 4  # bytes of the frozen weight
@@ -104,11 +108,15 @@ def test_gc_beside_the_job_never_takes_a_needed_piece(
     stop = threading.Event()
     reports: list[Any] = []
     errors: list[BaseException] = []
+    #: gc's clock: the real one during the first job (nothing is old yet), then fixed where every piece
+    #: the first job wrote is older than the grace and everything the second job writes is young (the
+    #: ranks date their intents by the real clock: the second job's are live to it, LONG from now)
+    gclock = Clock()
 
     def collect() -> None:
         while not stop.is_set():
             try:
-                reports.append(CheckpointStore.open(url, "run", mode="r", piece_timing=TIMING)
+                reports.append(CheckpointStore.open(url, "run", mode="r", piece_timing=long_timing(gclock))
                                .gc(keep_last=1, grace_seconds=GRACE))
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
@@ -119,7 +127,9 @@ def test_gc_beside_the_job_never_takes_a_needed_piece(
     t.start()
     try:
         job(url, 5, keep_last=1)
-        stop.wait(GRACE)  # the first job's pieces age past the grace period while gc keeps running
+        first = max(o.mtime for o in LocalBackend(url).list(pieces_prefix("run")))
+        time.sleep(1.1)  # a lower bound only: the second job writes (and dates its intents) a second later
+        gclock.fixed = first + LONG + 0.5  # the first job's pieces age past the grace period while gc keeps running
         resumed = job(url, STOP, keep_last=1)
     finally:
         stop.set()

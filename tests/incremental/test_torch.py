@@ -9,7 +9,7 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
 from ckptstore.torch import Checkpointer
-from tests.incremental.common import TIMING
+from tests.incremental.common import long_timing
 
 backend_kinds = ["memory", "local"]
 IDENT = {"data_digest": "d", "code_digest": "c"}
@@ -31,7 +31,7 @@ def step(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
 
 
 def test_frozen_backbone_written_once_and_resumed_exactly(backend: Backend) -> None:
-    store = CheckpointStore.open(backend, "run", identity=IDENT, protocol_version=3, piece_timing=TIMING)
+    store = CheckpointStore.open(backend, "run", identity=IDENT, protocol_version=3, piece_timing=long_timing())
     m, o = frozen_model()
     ck = Checkpointer(store, {"model": m, "optimizer": o}, async_save=False, handle_signals=False)
     assert ck.resume() == 0
@@ -44,7 +44,7 @@ def test_frozen_backbone_written_once_and_resumed_exactly(backend: Backend) -> N
     assert first is not None and last is not None
     assert last.record.bytes_written() < first.record.bytes_written() / 10
     m2, o2 = frozen_model(seed=1)
-    ck2 = Checkpointer(CheckpointStore.open(backend, "run", identity=IDENT, piece_timing=TIMING),
+    ck2 = Checkpointer(CheckpointStore.open(backend, "run", identity=IDENT, piece_timing=long_timing()),
                        {"model": m2, "optimizer": o2}, async_save=False, handle_signals=False)
     assert ck2.resume() == 4  # the step after the saved one
     for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True):

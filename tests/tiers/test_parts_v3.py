@@ -9,6 +9,7 @@ race to happen."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from ckptstore.core.record_auth import RecordAuth
 from ckptstore.errors import NotFoundError, SaveAbortedError
 from ckptstore.protocol.selection import SaveRef
 from ckptstore.tiers.parts import local_holdings, rank_root
-from tests.incremental.common import GRACE, TIMING, age_past_grace, long_timing
+from tests.incremental.common import GRACE, LONG, Clock, long_timing
 
 IDENT = {"model": "tiny", "world_size": 2}
 RUN = "run"
@@ -155,13 +156,21 @@ def test_durable_gc_during_a_members_upload_keeps_the_pieces_its_part_reuses(tmp
     (written before it uploads, at least ``window`` old) names the pieces its
     part reuses, so gc keeps them and rank 1 never uploads them; B's durable
     commit (the coordinator's, after every piece is listed) verifies and reads
-    back every rank's part bit for bit."""
+    back every rank's part bit for bit.
+
+    Decided by injected clocks: both ranks' clock is moved past half the
+    standing intents' life (B's replication writes fresh ones), and gc's
+    clock is fixed where A's pieces are just old and B's, written a second
+    or more later, young."""
     inner = LocalBackend(tmp_path / "durable")
     durable = FaultyBackend(inner)
-    coord, member = pair(tmp_path, durable, TIMING)
+    clock = Clock()
+    coord, member = pair(tmp_path, durable, long_timing(clock))
     a = save(coord, member, 1)
     assert coord.flush(20) and member.flush(20) and coord.is_durable(a)
-    age_past_grace()  # A's pieces are old and every standing intent lapsed: B's replication writes fresh ones
+    time.sleep(1.1)  # a lower bound only: B's pieces are written at least a second after A's
+    clock.offset = LONG / 2 + 1  # every standing intent is past half its life: B's replication writes fresh ones
+    gclock = Clock(fixed=max(o.mtime for o in inner.list(P.layout.pieces_prefix(RUN))) + LONG + 0.5)
     member_keys = {P.layout.piece_key(RUN, p.holder, p.digest)
                    for n in ("rank1/frozen", "rank1/head") for p in a.components[n].pieces or ()}
     fired: list[int] = []
@@ -169,7 +178,8 @@ def test_durable_gc_during_a_members_upload_keeps_the_pieces_its_part_reuses(tmp
     def gc_now(op: str, key: str) -> bool:
         if not fired and op == "put" and key in member_new:
             inner.delete(V3.commit_key(RUN, 1, 1))  # another job's retention took A away
-            report = CheckpointStore.open(inner, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
+            report = CheckpointStore.open(inner, RUN, piece_timing=long_timing(gclock)).gc(
+                keep_last=1, grace_seconds=GRACE)
             fired.append(report.pieces_freed)
         return False
 

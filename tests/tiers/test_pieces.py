@@ -7,6 +7,7 @@ A local directory is the fast tier; the durable tier is every backend."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,13 +18,24 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import FaultyBackend
 from ckptstore.protocol.selection import SaveRef
-from tests.incremental.common import FROZEN, GRACE, IDENT, RUN, TIMING, age_past_grace, head, long_timing
+from tests.incremental.common import (
+    FROZEN,
+    GRACE,
+    IDENT,
+    LONG,
+    RUN,
+    Clock,
+    age_past_grace,
+    gc_clock_past,
+    head,
+    long_timing,
+)
 
 V3 = P.layout_of(3)
 
 
 def open_tiered(durable: Backend, local: Path, **kw: object) -> CheckpointStore:
-    kw.setdefault("piece_timing", TIMING)
+    kw.setdefault("piece_timing", long_timing())
     return CheckpointStore.open(durable, RUN, identity=IDENT, protocol_version=3,  # type: ignore[arg-type]
                                 local_tier=local, **kw)
 
@@ -117,24 +129,36 @@ def test_durable_gc_during_replication_never_deletes_a_piece_the_save_needs(
     tier runs with A's pieces older than the grace period. ``live``: the
     replicator's intent names them and gc keeps them; ``expired``: the intent
     lapsed and gc sweeps them, and the replicator notices before committing and
-    uploads them again. Either way B's durable commit verifies and restores."""
+    uploads them again. Either way B's durable commit verifies and restores.
+
+    Decided by injected clocks, not by waiting: ``live``: the writer's clock is
+    moved past half the standing intent's life (B's replication renews it), and
+    gc's clock is fixed where A's pieces are just old and B's, written a second
+    or more later, young; ``expired``: time passes for the writer and gc alike
+    (the standing intent lapses, every piece there is old) while B's replication
+    waits at the hook, before it uploaded any piece."""
     inner = backend_factory()
     durable = FaultyBackend(inner)
-    s = open_tiered(durable, tmp_path / "nvme")
+    clock = Clock()  # the writer's (and its replicator's)
+    s = open_tiered(durable, tmp_path / "nvme", piece_timing=long_timing(clock))
     save(s, 1)
     assert s.flush(30)
     a = s.latest_complete()
     assert a is not None
+    gclock = clock
     if intent == "live":
-        age_past_grace()  # A's pieces are old; B's replication writes a fresh intent naming them
+        time.sleep(1.1)  # a lower bound only: B's pieces are listed at least a second after A's
+        clock.offset = LONG / 2 + 1  # B's replication writes a fresh intent naming A's pieces
+        gclock = gc_clock_past(inner, a.save_id)  # A's pieces are old, B's young
     swept: list[int] = []
 
     def gc_now(op: str, key: str) -> bool:
         if not swept and op == "put" and "/pieces/" in key and a.save_id not in key:
             inner.delete(V3.commit_key(RUN, 1, 1))  # another job's retention took A away
             if intent == "expired":
-                age_past_grace()  # the standing intent named A's pieces and lapsed meanwhile
-            report = CheckpointStore.open(inner, RUN, piece_timing=TIMING).gc(keep_last=1, grace_seconds=GRACE)
+                age_past_grace(clock)  # the standing intent named A's pieces and lapsed meanwhile
+            report = CheckpointStore.open(inner, RUN, piece_timing=long_timing(gclock)).gc(
+                keep_last=1, grace_seconds=GRACE)
             swept.append(report.pieces_freed)
         return False
 

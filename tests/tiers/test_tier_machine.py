@@ -23,14 +23,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ckptstore import CheckpointStore
 from ckptstore.backends.faults import FaultyBackend, transient
 from ckptstore.backends.local import LocalBackend
+from ckptstore.core.collector import GcReport
 from ckptstore.core.pieces import MAX_INTENT_BYTES
 from ckptstore.errors import LocalTierRefusedError
 from ckptstore.protocol import AttemptRecord, attempt_key, component_key
-from ckptstore.protocol.layout import intents_prefix
+from ckptstore.protocol.layout import intents_prefix, pieces_prefix
 from ckptstore.protocol.pieces import PACK_BYTES
 from ckptstore.protocol.records import IntentRecord
 from ckptstore.retry import RetryPolicy
-from tests.incremental.common import GRACE, TIMING
+from tests.incremental.common import GRACE, LONG, Clock, long_timing
 
 IDENT = {"m": "machine"}
 FAST = RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.01)
@@ -163,12 +164,25 @@ class TwoTiersWithPieces(TwoTiers):
     """The same machine on a version-3 run (pieces), with a gc of the durable
     tier among the rules: damage hits a local piece, and on top of the
     invariants above every save acknowledged durable that gc did not delete
-    on purpose deep-verifies in the durable tier (gc never took a piece it needs)."""
+    on purpose deep-verifies in the durable tier (gc never took a piece it needs).
+
+    Time is the rule ``time_passes``, not the wall clock: the writers' intents
+    live LONG (no save or replication runs out of protection however slowly
+    the machine runs), and the durable gc judges by a clock fixed where every
+    piece and intent there when time last passed is older than its grace and
+    lifetime, and everything written since is young (it stays so: that clock
+    does not run)."""
+
+    def __init__(self) -> None:
+        #: the durable gc's clock: the real one until time first passes
+        self.gc_clock = Clock()
+        self.last_gc: GcReport | None = None
+        super().__init__()
 
     def _open(self) -> CheckpointStore:
         s = CheckpointStore.open(self._durable(), "run", identity=IDENT, local_tier=self.local, retry=FAST,
                                  max_replication_lag=3, local_keep=3, close_flush_seconds=0.05,
-                                 protocol_version=3, piece_timing=TIMING)
+                                 protocol_version=3, piece_timing=long_timing())
         self.step = (s.resumed_from.step + 1) if s.resumed_from is not None else 0
         return s
 
@@ -190,9 +204,24 @@ class TwoTiersWithPieces(TwoTiers):
         damage(f, how)
 
     @rule()
+    def time_passes(self) -> None:
+        """An hour passes for the durable gc, while no replication is in flight (it would be judged by a
+        clock an hour ahead of its writer's): what the durable tier holds now is old to every later gc."""
+        if self.down.is_set() or not self.store.flush(20):
+            return
+        listed = LocalBackend(self.dir / "durable").list(pieces_prefix("run"))
+        boundary = max([o.mtime for o in listed] + [time.time()])
+        # a lower bound only: what is written from now on is dated later than the boundary (local mtimes
+        # are exact to well under this; intents are dated by the writers' real clock)
+        time.sleep(0.05)
+        self.gc_clock = Clock(fixed=boundary + LONG + 0.01)
+
+    @rule()
     def gc_durable(self) -> None:
-        report = CheckpointStore.open(LocalBackend(self.dir / "durable"), "run", piece_timing=TIMING).gc(
+        report = CheckpointStore.open(LocalBackend(self.dir / "durable"), "run",
+                                      piece_timing=long_timing(self.gc_clock)).gc(
             keep_last=1, grace_seconds=GRACE, deep=False)
+        self.last_gc = report
         for sid, _ in report.deleted_saves:
             self.acked.pop(sid, None)
 
@@ -202,13 +231,13 @@ class TwoTiersWithPieces(TwoTiers):
         the durable sweep with its reason; the operator removes it again."""
         durable = LocalBackend(self.dir / "durable")
         key = intents_prefix("run") + "00000001-0000000000ff.json"
-        now = time.time()
+        now = self.gc_clock()
         data = {"future": IntentRecord("run", 1, now + 50 * 365 * 86400, now + 50 * 365 * 86400 + 1,
                                        (("000000000000-00000001-0123456789ab", "0" * 64),), version=3).encode(),
                 "junk": b"not an intent", "huge": b"x" * (MAX_INTENT_BYTES + 1)}[shape]
         durable.put(key, [data])
         try:
-            report = CheckpointStore.open(durable, "run", piece_timing=TIMING).gc(
+            report = CheckpointStore.open(durable, "run", piece_timing=long_timing(self.gc_clock)).gc(
                 keep_last=1, grace_seconds=GRACE, deep=False)
             assert report.pieces_refused is not None and report.pieces_freed == 0, report
             for sid, _ in report.deleted_saves:
@@ -368,5 +397,29 @@ def test_a_truncated_local_piece_is_written_again_and_saving_goes_on() -> None:
         assert m.store.read(ref, "a") == m.expected(2, ref.attempt)
         m.save()
         m.selection_reads_back_verified()
+    finally:
+        m.teardown()
+
+
+def test_after_time_passes_the_durable_gc_sweeps_old_pieces_beside_a_replication() -> None:
+    """A fixed example of the pieces machine: two saves made durable, time
+    passes, a third save is replicated while the durable gc runs: the pieces
+    only the deleted older saves named go, and every save acknowledged durable
+    still deep-verifies (the third's new pieces, written after time passed, are
+    young to that gc)."""
+    m = TwoTiersWithPieces()
+    try:
+        for _ in range(2):
+            m.save()
+            m.flush()
+        m.time_passes()
+        m.save()
+        m.gc_durable()  # beside the third save's replication
+        m.flush()
+        assert m.last_gc is not None and m.last_gc.pieces_refused is None and m.last_gc.pieces_freed >= 1
+        m.gc_durable()
+        m.selection_reads_back_verified()
+        m.nothing_acknowledged_durable_is_lost()
+        m.acknowledged_durable_saves_verify()
     finally:
         m.teardown()

@@ -2,7 +2,8 @@
 
 Each rank is its own process. By default it is forked from a zygote that has
 torch and ckptstore imported already (tests/workers/zygote.py, one per rank
-index and environment, kept for the pytest process's life): these jobs test
+index, those of ranks 0 and 1 kept for the pytest process's life while the
+environment stays the same): these jobs test
 the rank protocol, not the launch, and a fresh interpreter's ~2 s of imports
 per rank was most of their time. ``CKPT_FRESH_RANKS=1`` starts every rank as
 ``python WORKER SPEC`` instead; the torchrun tests (tests/distributed/test_torchrun.py)
@@ -121,8 +122,10 @@ class Zygote:
         self.log.close()
 
 
-#: zygotes by the environment they started with (as JSON) and index; two environments at most
+#: zygotes by the environment they started with (as JSON) and index: one environment at a time, and
+#: indices 2 and up (~200 MB each) only until a job with fewer ranks starts
 _pools: dict[str, dict[int, Zygote]] = {}
+KEPT = 2
 #: set by pytest for each test: the child gets it (in the request), the zygote's start does not depend on it
 _PER_TEST = ("PYTEST_CURRENT_TEST",)
 
@@ -138,12 +141,12 @@ atexit.register(_close_zygotes)
 
 def zygote(index: int, env: dict[str, str]) -> Zygote:
     """Zygote ``index`` (one per rank of a job) for ``env``, started on first use; a zygote reads the
-    environment at start, so another environment gets other zygotes (those of the least recent goes)."""
+    environment at start, so another environment gets other zygotes (the former ones end)."""
     key_env = {k: v for k, v in env.items() if k not in _PER_TEST}
     key = json.dumps(key_env, sort_keys=True)
     pool = _pools.pop(key, None)
     if pool is None:
-        while len(_pools) >= 2:
+        while _pools:
             for old in _pools.pop(next(iter(_pools))).values():
                 old.close()
         pool = {}
@@ -222,9 +225,16 @@ def run_job(
                          "scenario": scenario, "args": args or {}}) for r in range(world)]
     if os.environ.get("CKPT_FRESH_RANKS") == "1":
         return _run_fresh(specs, env, timeout, worker)
+    for pool in _pools.values():  # a 3- or 4-rank job's extra zygotes serve the next such jobs, no others
+        for r in [r for r in pool if r >= max(KEPT, world)]:
+            pool.pop(r).close()
+    return _run_forked(specs, env, timeout, worker)
+
+
+def _run_forked(specs: list[str], env: dict[str, str], timeout: float, worker: str) -> list[RankResult]:
     out: list[RankResult] = []
     with tempfile.TemporaryDirectory(prefix="ranks-") as d:
-        for r in range(world):
+        for r in range(len(specs)):
             zygote(r, env)  # start them all before waiting for the first
         pids = []
         for r, spec in enumerate(specs):

@@ -20,13 +20,23 @@ from pathlib import Path
 
 import pytest
 
+from tests.workers.dist_launch import Forked
+
 TRAINER = Path(__file__).parents[1] / "workers" / "torch_loader_trainer.py"
 
 
 def run(args: list[str], *, kill_after: str | None = None, delay: float = 0.0,
         keep_stderr: bool = False) -> tuple[int, list[str]]:
-    p = subprocess.Popen([sys.executable, str(TRAINER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    """One trainer process in its own session (its loader workers with it), forked from a zygote with torch
+    imported (tests/workers/zygote.py: the restart is still a new process, none of the killed run's memory;
+    only torch's import is not paid again); ``CKPT_FRESH_RANKS=1`` runs ``python TRAINER`` instead."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p: Forked | subprocess.Popen[str]
+    if os.environ.get("CKPT_FRESH_RANKS") == "1":
+        p = subprocess.Popen([sys.executable, str(TRAINER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, start_new_session=True)
+    else:
+        p = Forked(str(TRAINER), args, env, new_session=True)
     assert p.stdout is not None
     lines: list[str] = []
     for line in p.stdout:
@@ -36,9 +46,10 @@ def run(args: list[str], *, kill_after: str | None = None, delay: float = 0.0,
             os.killpg(p.pid, signal.SIGKILL)  # the trainer and its loader workers, as a node loss would
             break
     _, err = p.communicate(timeout=120)
-    if keep_stderr or p.returncode not in (0, -signal.SIGKILL):
+    rc = p.wait()
+    if keep_stderr or rc not in (0, -signal.SIGKILL):
         lines += ["STDERR " + ln for ln in err.splitlines()[-30:]]
-    return p.returncode, lines
+    return rc, lines
 
 
 def batches(log: Path) -> dict[tuple[int, int], tuple[str, str]]:

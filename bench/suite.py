@@ -34,6 +34,7 @@ ROWS = [
     "memory",  # 7: peak memory of save and restore
     "restart",  # 8: end to end, restart to the first useful step
     "coordination",  # 9: the coordinator's cost against world size, dcp.save StoreWriter vs FileSystemWriter
+    "fsyncs",  # 10: fsyncs per save by protocol version (issue 32), and the same saves' seconds
 ]
 
 

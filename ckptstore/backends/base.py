@@ -51,7 +51,18 @@ Contract (each backend's conformance tests check it):
   pending put before anything that names the object (a commit record) is
   written. The default is ``put`` (durable at once) and a ``settle`` that
   does nothing; the local disk overrides both, so many objects share one
-  pass of fsyncs and one directory fsync per folder.
+  pass of fsyncs and one directory fsync per folder. ``settle_data(pending)``
+  (optional, default nothing) starts that work early: the bytes are made
+  durable, the keys still wait for ``settle``.
+* ``create_lazy(key, data)`` / ``delete_lazy(key)``: ``create`` / ``delete``
+  whose durability may lag the return. On return the effect is visible to
+  every later read and listing, as ``create``'s and ``delete``'s are, and a
+  lazily created object is never torn (its bytes are durable before its
+  name appears); only the name's durability is not waited for, so a crash of
+  the storage's host may undo either. For records whose loss in such a crash
+  protects or breaks nothing (save intents, ledger entries:
+  PROTOCOL.md §7.2). The defaults are ``create`` and ``delete`` (durable);
+  the local disk skips the directory fsync.
 * ``delete`` of a missing key is not an error.
 * Infrastructure failures raise :class:`StoreUnavailableError`, or
   :class:`TransientError` when a retry may help.
@@ -192,6 +203,12 @@ class Backend(abc.ABC):
         self.put(key, chunks)
         return PendingPut(key)
 
+    def settle_data(self, pending: Sequence[PendingPut]) -> None:  # noqa: B027 - optional hook
+        """Start :meth:`settle`'s work early: make the bytes of ``pending``
+        durable now; their keys still appear only with :meth:`settle`, which
+        every pending put still needs. The local disk fsyncs the files (so one
+        object's fsync overlaps the writing of the next); this default does nothing."""
+
     def settle(self, pending: Sequence[PendingPut]) -> None:  # noqa: B027 - optional hook
         """Make every put of ``pending`` (from :meth:`put_deferred` of this
         backend) durable at its key; on return all are, or it raised and any
@@ -199,6 +216,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def create(self, key: str, data: bytes) -> bool: ...
+
+    def create_lazy(self, key: str, data: bytes) -> bool:
+        """:meth:`create` whose name may not survive a crash of the storage's
+        host (see the module docstring); never torn. This default is :meth:`create`."""
+        return self.create(key, data)
 
     @abc.abstractmethod
     def list(self, prefix: str, *, flat: bool = False) -> list[ObjectInfo]: ...
@@ -233,6 +255,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def delete(self, key: str) -> None: ...
+
+    def delete_lazy(self, key: str) -> None:
+        """:meth:`delete` that a crash of the storage's host may undo (see the
+        module docstring). This default is :meth:`delete`."""
+        self.delete(key)
 
     def exists(self, key: str) -> bool:
         from ..errors import NotFoundError

@@ -17,6 +17,10 @@ state against it):
   appears); only the fsyncs are batched. A crash before ``settle`` returned
   leaves temp files (removed like any other) or complete objects, never a
   torn object under a final name.
+* ``create_lazy`` / ``delete_lazy`` (save intents, ledger entries; PROTOCOL.md
+  §7.2): ``create`` without the directory fsync (the temp file is still
+  fsynced before the link, so the record is never torn), ``delete`` without
+  the directory fsync.
 * New directories are fsynced into their parent before anything is written in
   them, so a durable file never hangs off a lost directory entry.
 
@@ -68,6 +72,8 @@ class _Pending:
     fd: int
     tmp: str
     final: str
+    #: its bytes are fsynced already (``settle_data``)
+    synced: bool = False
 
 
 class LocalBackend(Backend):
@@ -212,19 +218,35 @@ class LocalBackend(Backend):
             raise self._os_error(exc, key) from exc
         return PendingPut(key, _Pending(fd, tmp, final))
 
+    def _fsync_pending(self, items: Sequence[PendingPut]) -> None:
+        """fsync every open temp file of ``items`` not fsynced yet (concurrently: they share journal commits)."""
+        todo = [h for p in items if isinstance(h := p.handle, _Pending) and h.fd >= 0 and not h.synced]
+        if len(todo) > 1:
+            with ThreadPoolExecutor(min(SETTLE_THREADS, len(todo)), thread_name_prefix="ckptstore-fsync") as pool:
+                list(pool.map(self.ops.fsync, [h.fd for h in todo]))
+        elif todo:
+            self.ops.fsync(todo[0].fd)
+        for h in todo:
+            h.synced = True
+
+    def settle_data(self, pending: Sequence[PendingPut]) -> None:
+        """fsync the pending temp files now (their renames and folder fsyncs wait
+        for :meth:`settle`, which then skips these fsyncs): a caller that
+        settles many objects at the end fsyncs each as soon as it is written,
+        while the next one is being written."""
+        try:
+            self._fsync_pending(pending)
+        except OSError as exc:
+            raise self._os_error(exc, pending[0].key if pending else "") from exc
+
     def settle(self, pending: Sequence[PendingPut]) -> None:
-        """fsync every pending temp file, rename each to its key, then fsync
-        each folder once. On failure every temp file not yet renamed is
-        closed and removed, and the error raised."""
+        """fsync every pending temp file (those :meth:`settle_data` did not),
+        rename each to its key, then fsync each folder once. On failure every
+        temp file not yet renamed is closed and removed, and the error raised."""
         items = [p for p in pending if isinstance(p.handle, _Pending)]
         todo = list(items)
         try:
-            open_fds = [p.handle.fd for p in items if isinstance(p.handle, _Pending) and p.handle.fd >= 0]
-            if len(open_fds) > 1:  # concurrent fsyncs share the file system's journal commits
-                with ThreadPoolExecutor(min(SETTLE_THREADS, len(open_fds)), thread_name_prefix="ckptstore-fsync") as pool:
-                    list(pool.map(self.ops.fsync, open_fds))
-            elif open_fds:
-                self.ops.fsync(open_fds[0])
+            self._fsync_pending(items)
             for p in items:
                 h = p.handle
                 assert isinstance(h, _Pending)
@@ -255,6 +277,15 @@ class LocalBackend(Backend):
                 self._unlink_quiet(h.tmp)
 
     def create(self, key: str, data: bytes) -> bool:
+        return self._create(key, data, durable=True)
+
+    def create_lazy(self, key: str, data: bytes) -> bool:
+        """:meth:`create` without the directory fsync: the record's bytes are
+        durable before its name appears (never torn), the name may not
+        survive a power loss."""
+        return self._create(key, data, durable=False)
+
+    def _create(self, key: str, data: bytes, *, durable: bool) -> bool:
         final = self._path(key)
         try:
             tmp = self._write_tmp(final, [data])
@@ -264,7 +295,8 @@ class LocalBackend(Backend):
                 return False
             finally:
                 self._unlink_quiet(tmp)
-            self.ops.fsync_dir(os.path.dirname(final))
+            if durable:
+                self.ops.fsync_dir(os.path.dirname(final))
             return True
         except OSError as exc:
             raise self._os_error(exc, key) from exc
@@ -364,6 +396,13 @@ class LocalBackend(Backend):
             raise NotFoundError(f"{self.url}/{key}: no such object") from None
 
     def delete(self, key: str) -> None:
+        self._delete(key, durable=True)
+
+    def delete_lazy(self, key: str) -> None:
+        """:meth:`delete` without the directory fsync (a power loss may bring the object back)."""
+        self._delete(key, durable=False)
+
+    def _delete(self, key: str, *, durable: bool) -> None:
         path = self._path(key)
         try:
             self.ops.unlink(path)
@@ -384,7 +423,8 @@ class LocalBackend(Backend):
             except OSError:
                 break
             d = os.path.dirname(d)
-        self._fsync_dir_quiet(os.path.dirname(path) if self.ops.is_dir(os.path.dirname(path)) else d)
+        if durable:
+            self._fsync_dir_quiet(os.path.dirname(path) if self.ops.is_dir(os.path.dirname(path)) else d)
 
     def _fsync_dir_quiet(self, d: str) -> None:
         try:

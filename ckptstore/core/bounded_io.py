@@ -19,7 +19,7 @@ from typing import Any
 
 import blake3
 
-from ..backends.base import Backend, ObjectInfo
+from ..backends.base import Backend, ObjectInfo, PendingPut
 from ..errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUnavailableError, TransientError
 from ..protocol import ComponentEntry, Layout
 from ..retry import RetryPolicy
@@ -68,8 +68,13 @@ class RunIO:
     def size(self, key: str) -> int:
         return self.retry.call(lambda: self.backend.size(key))
 
-    def delete(self, key: str) -> None:
-        self.retry.call(lambda: self.backend.delete(key))
+    def delete(self, key: str, *, lazy: bool = False) -> None:
+        """Delete ``key``; ``lazy``: a crash of the storage's host may undo it
+        (``Backend.delete_lazy``: for records whose return after such a crash protects or breaks nothing)."""
+        if lazy:
+            self.retry.call(lambda: self.backend.delete_lazy(key))
+        else:
+            self.retry.call(lambda: self.backend.delete(key))
 
     def get_bounded(self, key: str, max_bytes: int) -> bytes:
         """The object's bytes, reading at most ``max_bytes + 1`` of them (a
@@ -102,8 +107,11 @@ class RunIO:
         return out
 
     # --------------------------------------------------------------- create
-    def create(self, key: str, data: bytes, *, what: str) -> bool:
+    def create(self, key: str, data: bytes, *, what: str, lazy: bool = False) -> bool:
         """Create-if-absent with retries and the lost-acknowledgement read-back.
+        ``lazy``: ``Backend.create_lazy`` (visible on return, never torn, its
+        name not waited on to be durable: save intents and ledger entries,
+        PROTOCOL.md §7.2).
 
         Returns True if *our* bytes are now at ``key`` (created by this call or
         by an earlier try whose reply was lost), False if someone else's are.
@@ -113,7 +121,7 @@ class RunIO:
         policy = self.retry
         for i in range(policy.attempts):
             try:
-                created = self.backend.create(key, data)
+                created = self.backend.create_lazy(key, data) if lazy else self.backend.create(key, data)
             except TransientError as exc:
                 uncertain = True
                 if i == policy.attempts - 1:
@@ -154,6 +162,24 @@ class RunIO:
             try:
                 self.backend.put(key, stream)
                 return stream.size, stream.hexdigest()
+            except TransientError:
+                if not replayable or i == policy.attempts - 1:
+                    raise
+                rewind(data)
+                policy.backoff(i)
+        raise AssertionError("unreachable")
+
+    def put_hashed_deferred(self, key: str, data: Any) -> tuple[int, str, PendingPut]:
+        """:meth:`put_hashed` through ``Backend.put_deferred``: the object is
+        durable at ``key`` only once ``Backend.settle`` of the returned handle
+        returned. Retried as :meth:`put_hashed` is."""
+        replayable = is_replayable(data)
+        policy = self.retry
+        for i in range(policy.attempts):
+            stream = HashingStream(data)
+            try:
+                pending = self.backend.put_deferred(key, stream)
+                return stream.size, stream.hexdigest(), pending
             except TransientError:
                 if not replayable or i == policy.attempts - 1:
                     raise

@@ -33,7 +33,8 @@ class Ledger:
         self.auth = auth
 
     def append(self, kind: str, payload: Mapping[str, Any], attempt: int | None) -> str:
-        """Create one entry; returns its key."""
+        """Create one entry (visible on return; its name's durability is not
+        waited for, PROTOCOL.md §7.2); returns its key."""
         ts = now()
         rec = EventRecord(kind, ts, attempt, dict(payload), version=self.io.layout.version)
         try:
@@ -43,7 +44,9 @@ class Ledger:
         except (TypeError, ValueError) as exc:
             raise InvalidInputError(f"event payload must be JSON-representable: {exc}") from None
         key = events_prefix(self.io.run_id) + event_name(int(ts * 1e6), kind)
-        self.io.create(key, data, what="event")
+        # lazy: nothing about selection or gc depends on an entry (PROTOCOL.md §2.4, §7.2); a power
+        # loss may drop the newest entries, never tear one
+        self.io.create(key, data, what="event", lazy=True)
         return key
 
     def read(self) -> LedgerRead:

@@ -325,11 +325,13 @@ class PieceWriter:
             rec = IntentRecord(self.io.run_id, self.attempt, t, t + self.timing.intent_ttl, tuple(sorted(names)),
                                version=self.io.layout.version)
             key = new_intent_key(self.io.run_id, self.attempt)
-            self.io.create(key, rec.encode(), what="save intent")
+            # lazy: an intent is for a gc running while this writer lives, which sees it on return;
+            # a crash that loses its name ends this writer too (PROTOCOL.md §7.2)
+            self.io.create(key, rec.encode(), what="save intent", lazy=True)
             self.intent = Intent(key, rec, time.monotonic())
         if old is not None:
             try:
-                self.io.delete(old.key)
+                self.io.delete(old.key, lazy=True)
             except Exception:  # noqa: BLE001 - best effort: an old intent only keeps pieces a while longer
                 pass
         return self.intent
@@ -374,7 +376,7 @@ class PieceWriter:
         self._settle_arming()
         if self.intent is not None:
             try:
-                self.io.delete(self.intent.key)
+                self.io.delete(self.intent.key, lazy=True)
             except Exception:  # noqa: BLE001 - it expires on its own
                 pass
             self.intent = None
@@ -422,9 +424,13 @@ class SavePieces:
                 return ref
         return None
 
-    def put(self, name: str, data: Any) -> ComponentEntry:
+    def put(self, name: str, data: Any, *, defer: list[PendingPut] | None = None) -> ComponentEntry:
         """Write one component as pieces: each piece hashed, skipped when the
-        run already holds it, else uploaded under this save."""
+        run already holds it, else uploaded under this save. Its new pieces
+        are settled (durable) before this returns; with ``defer``, the last
+        batch of them is appended to ``defer`` instead, and the caller MUST
+        settle it before the entry is used (``StagedSave.put_many`` settles
+        the pieces of all its components together)."""
         io = self.owner.io
         refs: list[PieceRef] = []
         pending: list[Future[PendingPut]] = []
@@ -457,7 +463,10 @@ class SavePieces:
                 refs.append(ref)
             while pending:
                 landed.append(pending.pop(0).result())
-            io.backend.settle(landed)  # every piece of the component durable before put returns
+            if defer is not None:
+                defer.extend(landed)  # the caller settles them before the entry is used
+            else:
+                io.backend.settle(landed)  # every piece of the component durable before put returns
             landed = []
         finally:
             pool.shutdown(wait=True, cancel_futures=True)

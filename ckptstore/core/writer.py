@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from ..backends.base import PendingPut
 from ..errors import (
     CommitConflictError,
     CommitUnknownError,
@@ -40,8 +42,11 @@ from ..util.redact import redact_text
 from .bounded_io import RunIO
 from .fencing import AttemptLog
 from .hashing import check_data
-from .pieces import PieceWriter, SavePieces, check_pieces, check_present
+from .pieces import SETTLE_BATCH, PieceWriter, SavePieces, check_pieces, check_present
 from .record_auth import RecordAuth
+
+#: components :meth:`StagedSave.put_many` writes at the same time
+PUT_MANY_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,97 @@ class StagedSave:
         with self._lock:
             self._components[name] = entry
         return entry
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> dict[str, ComponentEntry]:
+        """Write several components at once (up to :data:`PUT_MANY_THREADS`
+        concurrently, each hashed while written, as :meth:`put`) and make them
+        durable together: each component's bytes are made durable as soon as
+        it is written (``Backend.settle_data``), then one ``Backend.settle``
+        renames each to its key and fsyncs each folder once (on the local
+        disk: one directory fsync for the save's folder instead of one per
+        component, PROTOCOL.md §7.2; past ``SETTLE_BATCH`` waiting objects,
+        a batch is settled early). Returns
+        the entries, by name, only once all are durable; on a failure the
+        first error is raised (what landed is settled and stays in the
+        inventory, for the caller's abort to remove)."""
+        if self.closed:
+            raise InvalidInputError("this save is already closed")
+        names = [name for name, _ in items]
+        if len(set(names)) != len(names):
+            raise InvalidInputError(f"put_many: a component is named twice in {names[:10]}")
+        for name, data in items:
+            validate_component_name(name)
+            check_data(data)
+        with self._lock:
+            for name in names:
+                if name in self._components:
+                    raise InvalidInputError(f"component {name!r} was already written in this save")
+                for other in [*self._components, *names]:
+                    if other != name and (other.startswith(name + "/") or name.startswith(other + "/")):
+                        raise InvalidInputError(f"component {name!r} clashes with {other!r} (a name cannot be a folder)")
+            for name in names:
+                self._components[name] = ComponentEntry(name, -1, "")  # reserve
+        landed: list[PendingPut] = []
+        entries: dict[str, ComponentEntry] = {}
+        lock = threading.Lock()
+
+        def one(name: str, data: Any) -> None:
+            pieces = self._pieces()
+            mine: list[PendingPut] = []
+            try:
+                if pieces is not None:
+                    entry = pieces.put(name, data, defer=mine)
+                else:
+                    key = component_key(self.ctx.io.run_id, self.save_id, name)
+                    size, digest, pending = self.ctx.io.put_hashed_deferred(key, data)
+                    mine.append(pending)
+                    entry = ComponentEntry(name, size, digest)
+                # this component's bytes durable now, while the others are still being written;
+                # the renames and the folder's fsync wait for the settle of them all
+                self.ctx.io.backend.settle_data(mine)
+            finally:
+                with lock:
+                    landed.extend(mine)
+            with lock:
+                entries[name] = entry
+            settle(force=False)
+
+        def settle(force: bool) -> None:
+            """Settle what landed: at the end, or once SETTLE_BATCH objects wait (bounded open files)."""
+            with lock:
+                if not force and len(landed) < SETTLE_BATCH:
+                    return
+                batch = list(landed)
+                landed.clear()
+            self.ctx.io.backend.settle(batch)
+
+        failure: BaseException | None = None
+        try:
+            if len(items) <= 1:
+                for name, data in items:
+                    one(name, data)
+            else:
+                with ThreadPoolExecutor(min(PUT_MANY_THREADS, len(items)), thread_name_prefix="ckptstore-put") as pool:
+                    futures = [pool.submit(one, name, data) for name, data in items]
+                for f in futures:
+                    if failure is None and f.exception() is not None:
+                        failure = f.exception()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after what landed is settled
+            failure = exc
+        try:
+            settle(force=True)  # every object durable at its key before any entry is returned
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            failure = failure or exc
+            entries.clear()  # none is known durable
+        with self._lock:
+            for name in names:
+                if name in entries:
+                    self._components[name] = entries[name]
+                else:
+                    self._components.pop(name, None)
+        if failure is not None:
+            raise failure
+        return entries
 
     @property
     def components(self) -> dict[str, ComponentEntry]:
@@ -443,6 +539,10 @@ class SaveWriter:
     def put(self, name: str, data: Any) -> ComponentEntry:
         """Write one component, hashing it with BLAKE3 while it is written (see :meth:`StagedSave.put`)."""
         return self.staged.put(name, data)
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> dict[str, ComponentEntry]:
+        """Write several components, made durable together (see :meth:`StagedSave.put_many`)."""
+        return self.staged.put_many(items)
 
     @property
     def components(self) -> dict[str, ComponentEntry]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -201,6 +201,10 @@ class DistributedSave:
         """Write one of this rank's components (hashed while written). Names
         must be unique across ranks (e.g. prefix them with the rank)."""
         return self._staged.put(name, data)
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> dict[str, P.ComponentEntry]:
+        """Write several of this rank's components, made durable together (``StagedSave.put_many``)."""
+        return self._staged.put_many(items)
 
     @property
     def components(self) -> dict[str, P.ComponentEntry]:

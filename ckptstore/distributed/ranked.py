@@ -70,6 +70,10 @@ class _RankSave:
     def put(self, name: str, data: Any) -> P.ComponentEntry:
         return self._inner.put(self._prefix + name, data)
 
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> dict[str, P.ComponentEntry]:
+        got = self._inner.put_many([(self._prefix + name, data) for name, data in items])
+        return {name: got[self._prefix + name] for name, _ in items}
+
     @property
     def ref(self) -> SaveRef | None:
         return self._inner.ref

@@ -258,6 +258,17 @@ class BackendConformance:
         assert backend.create("c/rec.json", b"second") is False
         assert backend.get("c/rec.json") == b"first"
 
+    def test_lazy_create_and_delete_are_visible_on_return(self, backend: Backend) -> None:
+        """``create_lazy`` is create-if-absent, ``delete_lazy`` a delete; both seen by the next read and listing."""
+        assert backend.create_lazy("lz/rec.json", b"first") is True
+        assert backend.create_lazy("lz/rec.json", b"second") is False
+        assert backend.create("lz/rec.json", b"third") is False
+        assert self.get_raw(backend, "lz/rec.json") == b"first"
+        assert [o.key for o in backend.list("lz/")] == ["lz/rec.json"]
+        backend.delete_lazy("lz/rec.json")
+        assert self.get_raw(backend, "lz/rec.json") is None and backend.list("lz/") == []
+        backend.delete_lazy("lz/rec.json")  # a missing key: no error
+
     def test_racing_creates_have_one_winner_each_round(
         self, backend: Backend, create_is_atomic_under_races: bool, race_rounds: int
     ) -> None:

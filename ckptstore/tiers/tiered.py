@@ -117,6 +117,12 @@ class _EarlyStaged(StagedSave):
         self.early.start(self.save_id, entry)
         return entry
 
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> dict[str, ComponentEntry]:
+        entries = super().put_many(items)
+        for entry in entries.values():
+            self.early.start(self.save_id, entry)
+        return entries
+
 
 class NotDurableAtExitWarning(UserWarning):
     """The interpreter exits with local saves the durable tier does not hold yet

@@ -17,7 +17,7 @@ fallback, :meth:`make_durable` is True at once without a local tier.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -34,6 +34,11 @@ class OpenSave(Protocol):
 
     def put(self, name: str, data: Any) -> ComponentEntry:
         """Write one component (hashed while written)."""
+        ...
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> dict[str, ComponentEntry]:
+        """Write several components, made durable together (one settle: on the
+        local disk one directory fsync for all of them)."""
         ...
 
     @property

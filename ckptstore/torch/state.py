@@ -17,7 +17,6 @@ import platform
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -357,30 +356,13 @@ def write_snapshot(
     snap.wait_ready()  # device copies landed before any byte is written
     expect = [STATE_COMPONENT, *components.values()]
     with store.save(step, metadata={**dict(metadata or {}), "format": FORMAT}, expect=expect) as s:
-        _put_all(s, [(comp, safetensors_stream(snap.tensors[name])[1]) for name, comp in sorted(components.items())])
-        s.put(STATE_COMPONENT, doc_bytes)
+        # every component in one batch, made durable together (one directory fsync; PROTOCOL.md §7.2)
+        s.put_many([*[(comp, safetensors_stream(snap.tensors[name])[1]) for name, comp in sorted(components.items())],
+                    (STATE_COMPONENT, doc_bytes)])
         if before_publish is not None:
             before_publish()
     assert s.ref is not None
     return s.ref
-
-
-#: tensor components written at the same time by one save
-MAX_PARALLEL_PUTS = 4
-
-
-def _put_all(s: Any, items: Sequence[tuple[str, Any]]) -> None:
-    """Write the components concurrently (their hashing and their fsyncs
-    overlap); every put is finished, or failed, before this returns, and the
-    first failure is raised (the save then aborts and removes them all)."""
-    if len(items) <= 1:
-        for name, chunks in items:
-            s.put(name, chunks)
-        return
-    with ThreadPoolExecutor(min(MAX_PARALLEL_PUTS, len(items)), thread_name_prefix="ckptstore-put") as pool:
-        futures = [pool.submit(s.put, name, chunks) for name, chunks in items]
-    for f in futures:
-        f.result()
 
 
 def save_state(

@@ -10,6 +10,7 @@ while written, and bounded, verified streaming of components.
 from __future__ import annotations
 
 import builtins
+import mmap
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,7 @@ from ..errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUn
 from ..protocol import ComponentEntry, Layout
 from ..retry import RetryPolicy
 from ..util.redact import redact_text
+from . import hashing
 from .hashing import CHUNK, BackgroundHasher, HashingStream, Scatter, as_scatter, is_replayable, rewind
 
 
@@ -182,14 +184,39 @@ class RunIO:
             if len(data) < end - off:
                 return
 
-    def hash_object(self, key: str, size: int) -> tuple[int, str]:
-        """(bytes seen, BLAKE3) of the object, reading at most ``size + 1`` bytes."""
-        h = blake3.blake3()
+    def hash_object(self, key: str, size: int, chunk: int = CHUNK) -> tuple[int, str]:
+        """(bytes seen, BLAKE3) of the object, reading at most ``size + 1`` bytes.
+
+        A large object is read into two reused buffers of ``chunk`` (+ 1)
+        bytes, chunk *i + 1* read while chunk *i* is hashed in a helper
+        thread; the buffers are anonymous mappings, handed back to the system
+        once unused (a deep open leaves no heap of its reads behind for the
+        restore after it to add to its peak). A short chunk ends the read."""
+        if size < chunk:
+            h = blake3.blake3()
+            seen = 0
+            for block in self.iter_object(key, size, chunk):
+                seen += len(block)
+                h.update(block)
+            return seen, h.hexdigest()
+        maps = [mmap.mmap(-1, chunk + 1), mmap.mmap(-1, chunk + 1)]
+        views = [memoryview(m) for m in maps]
+        hasher = BackgroundHasher(threads=hashing.READ_HASH_THREADS)
         seen = 0
-        for block in self.iter_object(key, size):
-            seen += len(block)
-            h.update(block)
-        return seen, h.hexdigest()
+        try:
+            for i, off in enumerate(range(0, size, chunk)):
+                stop = size + 1 if off + chunk >= size else off + chunk
+                view = views[i % 2][: stop - off]  # its last hash finished when chunk i - 1 was fed
+                got = self.retry.call(partial(self.backend.readinto, key, off, view))
+                self.bytes_read += got
+                seen += got
+                hasher.feed(view[:got])
+                if got < stop - off:
+                    break
+        finally:
+            digest = hasher.finish()  # the mappings go back when their last view does (no close: a
+            # helper thread may still hold a view for an instant after the hash finished)
+        return seen, digest
 
     def verified_chunks(self, key: str, comp: ComponentEntry, label: str, chunk: int = CHUNK) -> Iterator[bytes]:
         """Stream a component, verifying its size on every chunk and its digest
@@ -233,7 +260,7 @@ class RunIO:
         dest = as_scatter(out)
         if len(dest) != comp.size:
             raise ValueError(f"buffer of {len(dest)} bytes for a component of {comp.size}")
-        hasher = BackgroundHasher()
+        hasher = BackgroundHasher(threads=hashing.READ_HASH_THREADS)
         try:
             seen = self._fill_hashed(key, dest, chunk, hasher)
             grew = seen == comp.size and self._extends_past(key, comp.size)
@@ -287,7 +314,7 @@ class RunIO:
                 if got != comp.size or grew:
                     n = f"{comp.size}+" if grew else str(got)
                     raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
-                hasher = BackgroundHasher()
+                hasher = BackgroundHasher(threads=hashing.READ_HASH_THREADS)
                 live.append((hasher, key, comp, label))
                 hasher.feed(hashed)
                 while len(live) > 1:

@@ -352,11 +352,14 @@ class CheckpointStore:
 
         ``out`` is any writable, contiguous buffer of exactly the component's
         recorded size (``ref.components[name].size``): a ``bytearray``, a
-        NumPy array, a tensor's ``.numpy()``. The bytes are read into it in
-        chunks, each hashed in a helper thread while the next is read (one
-        pass, no intermediate copies). On return every byte matches the
-        commit's BLAKE3; on :class:`CorruptionError` the buffer's content is
-        undefined and must not be used."""
+        NumPy array, a tensor's ``.numpy()``; or a list (or tuple) of such
+        buffers whose sizes add up to it, filled in order as one (a scatter
+        read: e.g. a header buffer, then each tensor's own memory). The bytes
+        are read into it in chunks, each hashed in a helper thread while the
+        next is read (one pass; a run of buffers under 1 MiB is read once and
+        copied out, larger ones are read straight into). On return every byte
+        matches the commit's BLAKE3; on :class:`CorruptionError` the buffers'
+        content is undefined and must not be used."""
         self._place.read(ref, lambda r: r.read_into(ref, name, out))
 
     def iter_read(self, ref: SaveRef, name: str, chunk: int = CHUNK) -> Iterator[bytes]:

@@ -10,6 +10,7 @@ while written, and bounded, verified streaming of components.
 from __future__ import annotations
 
 import builtins
+import mmap
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,8 @@ from ..errors import CommitUnknownError, CorruptionError, NotFoundError, StoreUn
 from ..protocol import ComponentEntry, Layout
 from ..retry import RetryPolicy
 from ..util.redact import redact_text
-from .hashing import CHUNK, BackgroundHasher, HashingStream, is_replayable, rewind
+from . import hashing
+from .hashing import CHUNK, BackgroundHasher, HashingStream, Scatter, as_scatter, is_replayable, rewind
 
 
 class RunIO:
@@ -208,14 +210,39 @@ class RunIO:
             if len(data) < end - off:
                 return
 
-    def hash_object(self, key: str, size: int) -> tuple[int, str]:
-        """(bytes seen, BLAKE3) of the object, reading at most ``size + 1`` bytes."""
-        h = blake3.blake3()
+    def hash_object(self, key: str, size: int, chunk: int = CHUNK) -> tuple[int, str]:
+        """(bytes seen, BLAKE3) of the object, reading at most ``size + 1`` bytes.
+
+        A large object is read into two reused buffers of ``chunk`` (+ 1)
+        bytes, chunk *i + 1* read while chunk *i* is hashed in a helper
+        thread; the buffers are anonymous mappings, handed back to the system
+        once unused (a deep open leaves no heap of its reads behind for the
+        restore after it to add to its peak). A short chunk ends the read."""
+        if size < chunk:
+            h = blake3.blake3()
+            seen = 0
+            for block in self.iter_object(key, size, chunk):
+                seen += len(block)
+                h.update(block)
+            return seen, h.hexdigest()
+        maps = [mmap.mmap(-1, chunk + 1), mmap.mmap(-1, chunk + 1)]
+        views = [memoryview(m) for m in maps]
+        hasher = BackgroundHasher(threads=hashing.READ_HASH_THREADS)
         seen = 0
-        for block in self.iter_object(key, size):
-            seen += len(block)
-            h.update(block)
-        return seen, h.hexdigest()
+        try:
+            for i, off in enumerate(range(0, size, chunk)):
+                stop = size + 1 if off + chunk >= size else off + chunk
+                view = views[i % 2][: stop - off]  # its last hash finished when chunk i - 1 was fed
+                got = self.retry.call(partial(self.backend.readinto, key, off, view))
+                self.bytes_read += got
+                seen += got
+                hasher.feed(view[:got])
+                if got < stop - off:
+                    break
+        finally:
+            digest = hasher.finish()  # the mappings go back when their last view does (no close: a
+            # helper thread may still hold a view for an instant after the hash finished)
+        return seen, digest
 
     def verified_chunks(self, key: str, comp: ComponentEntry, label: str, chunk: int = CHUNK) -> Iterator[bytes]:
         """Stream a component, verifying its size on every chunk and its digest
@@ -246,19 +273,22 @@ class RunIO:
         if held is not None:
             yield held
 
-    def read_verified_into(self, key: str, comp: ComponentEntry, label: str, out: memoryview,
+    def read_verified_into(self, key: str, comp: ComponentEntry, label: str, out: memoryview | Scatter,
                            chunk: int = CHUNK) -> None:
-        """Fill ``out`` (exactly ``comp.size`` bytes) with the component,
-        verified: each chunk is read straight into ``out`` (up to the
-        backend's ``read_concurrency`` chunks at once) and hashed, in order, in
-        a helper thread while later chunks are read; then the size (one byte
-        past the end must not exist) and the digest are checked. On
+        """Fill ``out`` (exactly ``comp.size`` bytes: one view, or a
+        :class:`Scatter` of many, e.g. one per tensor) with the component,
+        verified: each span is read straight into ``out`` (up to the
+        backend's ``read_concurrency`` spans at once; a span of small
+        segments of a scatter is read once and copied out) and hashed, in
+        order, in a helper thread while later spans are read; then the size
+        (one byte past the end must not exist) and the digest are checked. On
         :class:`CorruptionError` the content of ``out`` is undefined."""
-        if len(out) != comp.size:
-            raise ValueError(f"buffer of {len(out)} bytes for a component of {comp.size}")
-        hasher = BackgroundHasher()
+        dest = as_scatter(out)
+        if len(dest) != comp.size:
+            raise ValueError(f"buffer of {len(dest)} bytes for a component of {comp.size}")
+        hasher = BackgroundHasher(threads=hashing.READ_HASH_THREADS)
         try:
-            seen = self._fill_hashed(key, out, chunk, hasher)
+            seen = self._fill_hashed(key, dest, chunk, hasher)
             grew = seen == comp.size and self._extends_past(key, comp.size)
         except NotFoundError:
             raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
@@ -270,7 +300,7 @@ class RunIO:
         if digest != comp.blake3:
             raise CorruptionError(f"{self.where(key)}: {label} does not match its BLAKE3 digest")
 
-    def read_verified_parts_into(self, parts: Sequence[tuple[str, ComponentEntry, str]], out: memoryview,
+    def read_verified_parts_into(self, parts: Sequence[tuple[str, ComponentEntry, str]], out: memoryview | Scatter,
                                  chunk: int = CHUNK) -> None:
         """Fill ``out`` with the concatenation of several objects, each
         verified as :meth:`read_verified_into` does (its size, nothing past it,
@@ -281,8 +311,9 @@ class RunIO:
         larger than ``chunk`` is read by :meth:`read_verified_into`. On
         :class:`CorruptionError` the content of ``out`` is undefined; no hash
         is left running on it when this returns or raises."""
-        if sum(c.size for _, c, _ in parts) != len(out):
-            raise ValueError(f"buffer of {len(out)} bytes for parts of {sum(c.size for _, c, _ in parts)}")
+        dest = as_scatter(out)
+        if sum(c.size for _, c, _ in parts) != len(dest):
+            raise ValueError(f"buffer of {len(dest)} bytes for parts of {sum(c.size for _, c, _ in parts)}")
         live: builtins.list[tuple[BackgroundHasher, str, ComponentEntry, str]] = []
 
         def settle_one() -> None:
@@ -293,7 +324,7 @@ class RunIO:
         off = 0
         try:
             for key, comp, label in parts:
-                view = out[off : off + comp.size]
+                view = dest.sub(off, off + comp.size)
                 off += comp.size
                 if comp.size > chunk:
                     while live:
@@ -301,7 +332,7 @@ class RunIO:
                     self.read_verified_into(key, comp, label, view, chunk)
                     continue
                 try:
-                    got = self.retry.call(partial(self.backend.readinto, key, 0, view)) if comp.size else 0
+                    got, hashed = self._read_span(key, view, 0, comp.size) if comp.size else (0, memoryview(b""))
                     grew = got == comp.size and self._extends_past(key, comp.size)
                 except NotFoundError:
                     raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
@@ -309,9 +340,9 @@ class RunIO:
                 if got != comp.size or grew:
                     n = f"{comp.size}+" if grew else str(got)
                     raise CorruptionError(f"{self.where(key)}: {label} has {n} bytes, the commit record says {comp.size}")
-                hasher = BackgroundHasher()
+                hasher = BackgroundHasher(threads=hashing.READ_HASH_THREADS)
                 live.append((hasher, key, comp, label))
-                hasher.feed(view)
+                hasher.feed(hashed)
                 while len(live) > 1:
                     settle_one()
             while live:
@@ -320,45 +351,64 @@ class RunIO:
             for hasher, *_ in live:
                 hasher.finish()  # never leave a hash running on the caller's buffer
 
-    def _fill_hashed(self, key: str, out: memoryview, chunk: int, hasher: BackgroundHasher) -> int:
-        """Read the object's first ``len(out)`` bytes into ``out`` chunk by
-        chunk, feeding each to ``hasher`` in order; the count of bytes before
-        the first short chunk (``len(out)`` when every chunk came back whole)."""
-        size = len(out)
-        spans = [(off, min(size, off + chunk)) for off in range(0, size, chunk)]
-        with closing(self._read_spans(key, out, spans)) as arrived:
-            for (start, end), got in arrived:
+    def _read_span(self, key: str, dest: Scatter, start: int, end: int) -> tuple[int, memoryview]:
+        """Read the object's bytes ``[start, end)`` into ``dest``'s bytes at the
+        same offsets: (bytes read, a view of exactly the bytes read, for the
+        hash). Straight into the memory when one segment holds the span; else
+        once into a scratch buffer, then copied into each segment."""
+        segs = dest.segments(start, end)
+        if len(segs) == 1:
+            got = self.retry.call(partial(self.backend.readinto, key, start, segs[0]))
+            return got, segs[0][:got]
+        scratch = memoryview(bytearray(end - start))
+        got = self.retry.call(partial(self.backend.readinto, key, start, scratch))
+        at = 0
+        for s in segs:
+            if at >= got:
+                break
+            n = min(len(s), got - at)
+            s[:n] = scratch[at : at + n]
+            at += n
+        return got, scratch[:got]
+
+    def _fill_hashed(self, key: str, dest: Scatter, chunk: int, hasher: BackgroundHasher) -> int:
+        """Read the object's first ``len(dest)`` bytes into ``dest`` span by
+        span (:meth:`Scatter.spans`), feeding each to ``hasher`` in order; the
+        count of bytes before the first short span (``len(dest)`` when every
+        span came back whole)."""
+        with closing(self._read_spans(key, dest, dest.spans(chunk))) as arrived:
+            for (start, end), got, hashed in arrived:
                 self.bytes_read += got
                 if got != end - start:
                     return start + got
-                hasher.feed(out[start:end])
-        return size
+                hasher.feed(hashed)
+        return len(dest)
 
-    def _read_spans(self, key: str, out: memoryview, spans: builtins.list[tuple[int, int]]
-                    ) -> Generator[tuple[tuple[int, int], int], None, None]:
-        """(span, bytes read) of each span of ``out`` filled from the object,
-        in order; up to the backend's ``read_concurrency`` spans (at most 16)
-        in flight. Closing the iterator early waits for the reads in flight
-        and cancels the rest."""
-        def read(span: tuple[int, int]) -> int:
-            return self.retry.call(partial(self.backend.readinto, key, span[0], out[span[0] : span[1]]))
+    def _read_spans(self, key: str, dest: Scatter, spans: builtins.list[tuple[int, int]]
+                    ) -> Generator[tuple[tuple[int, int], int, memoryview], None, None]:
+        """(span, bytes read, the bytes read) of each span of ``dest`` filled
+        from the object, in order; up to the backend's ``read_concurrency``
+        spans (at most 16) in flight. Closing the iterator early waits for the
+        reads in flight and cancels the rest."""
+        def read(span: tuple[int, int]) -> tuple[int, memoryview]:
+            return self._read_span(key, dest, span[0], span[1])
 
         conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, len(spans)))
         if conc == 1:
             for span in spans:
-                yield span, read(span)
+                yield (span, *read(span))
             return
         pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto")
         try:
-            pending: deque[tuple[tuple[int, int], Future[int]]] = deque()
+            pending: deque[tuple[tuple[int, int], Future[tuple[int, memoryview]]]] = deque()
             for span in spans:
                 pending.append((span, pool.submit(read, span)))
                 if len(pending) >= conc:
                     first, fut = pending.popleft()
-                    yield first, fut.result()
+                    yield (first, *fut.result())
             while pending:
                 first, fut = pending.popleft()
-                yield first, fut.result()
+                yield (first, *fut.result())
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 

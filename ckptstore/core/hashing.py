@@ -7,9 +7,11 @@ once and overlaps hashing with I/O instead of adding it.
 
 from __future__ import annotations
 
+import bisect
 import io
+import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -107,14 +109,96 @@ def rewind(data: Any) -> None:
         data.seek(0, io.SEEK_SET)
 
 
+#: BLAKE3's own threads (``max_threads``) for the hashes of verified reads
+#: (a restore, a deep check): ``blake3.blake3.AUTO``, one per core, where
+#: there is more than one. The hash of chunk *i* then takes the cores the read
+#: of chunk *i + 1* leaves free, and on a machine shared with other work its
+#: threads get their share of the cores (measured on 2 shared cores, load 11
+#: to 14, 240 MiB resume: median 400 ms against 545 ms with one thread, the
+#: same CPU time, docs/performance.md). Saves keep one thread: their hash
+#: overlaps a write, which needs little CPU.
+READ_HASH_THREADS = blake3.blake3.AUTO if (os.cpu_count() or 1) > 1 else 1
+
+#: segments of a :class:`Scatter` smaller than this are read together (one read, then copied out)
+SMALL_SEGMENT = 1 << 20
+
+
+class Scatter:
+    """One logical byte buffer made of several writable byte views, in order:
+    a component read straight into many tensors' memory. Offsets are those of
+    the concatenation; a view of length 0 is dropped."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self.views = [v for v in views if len(v)]
+        self.starts: list[int] = []
+        at = 0
+        for v in self.views:
+            self.starts.append(at)
+            at += len(v)
+        self.size = at
+
+    def __len__(self) -> int:
+        return self.size
+
+    def segments(self, start: int, end: int) -> list[memoryview]:
+        """The views that hold bytes ``[start, end)``, cut to that range, in order."""
+        if not 0 <= start <= end <= self.size:
+            raise ValueError(f"range [{start}, {end}) is outside a buffer of {self.size} bytes")
+        out: list[memoryview] = []
+        i = bisect.bisect_right(self.starts, start) - 1
+        while start < end:
+            v, at = self.views[i], self.starts[i]
+            stop = min(end, at + len(v))
+            out.append(v[start - at : stop - at])
+            start = stop
+            i += 1
+        return out
+
+    def sub(self, start: int, end: int) -> Scatter:
+        """Bytes ``[start, end)`` as a scatter of their own (views of the same memory)."""
+        return Scatter(self.segments(start, end))
+
+    def spans(self, chunk: int) -> list[tuple[int, int]]:
+        """Read units of at most ``chunk`` bytes that tile the buffer: a
+        segment of at least :data:`SMALL_SEGMENT` bytes is cut from its own
+        start (so each of its spans lands in it alone); consecutive smaller
+        segments are grouped into one span (read once, then copied out),
+        :data:`SMALL_SEGMENT` meaning at most ``chunk`` here. One view: the plain grid ``0, chunk, 2 * chunk, ...``."""
+        out: list[tuple[int, int]] = []
+        small = min(SMALL_SEGMENT, chunk)
+        group = -1  # start of the open group of small segments
+        for v, at in zip(self.views, self.starts, strict=True):
+            n = len(v)
+            if n < small and len(self.views) > 1:
+                if group >= 0 and at + n - group > chunk:
+                    out.append((group, at))
+                    group = -1
+                if group < 0:
+                    group = at
+                continue
+            if group >= 0:
+                out.append((group, at))
+                group = -1
+            out.extend((off, min(at + n, off + chunk)) for off in range(at, at + n, chunk))
+        if group >= 0:
+            out.append((group, self.size))
+        return out
+
+
+def as_scatter(out: memoryview | Scatter) -> Scatter:
+    return out if isinstance(out, Scatter) else Scatter([out])
+
+
 class BackgroundHasher:
     """BLAKE3 of a sequence of buffers, each hashed in a helper thread while
     the caller produces the next (reads it, or hands the previous one to a
     writer). A buffer passed to :meth:`feed` must stay unchanged until the next
-    ``feed`` or :meth:`finish` returns."""
+    ``feed`` or :meth:`finish` returns. ``threads``: BLAKE3's own threads for
+    each buffer (``max_threads``; see :data:`READ_HASH_THREADS`); the digest
+    is the same whatever the count."""
 
-    def __init__(self, *, threaded: bool = True) -> None:
-        self._h = blake3.blake3()
+    def __init__(self, *, threaded: bool = True, threads: int = 1) -> None:
+        self._h = blake3.blake3(max_threads=threads)
         self._pool = _hash_pool() if threaded else None
         self._pending: Future[Any] | None = None
 

@@ -37,7 +37,7 @@ from ..protocol.pieces import ListedPiece, cut_pieces
 from ..protocol.records import MAX_INTENT_RECORD, IntentRecord, PieceRef, pieces_digest
 from ..protocol.selection import SkipReason
 from .bounded_io import RunIO
-from .hashing import CHUNK, iter_chunks
+from .hashing import CHUNK, Scatter, iter_chunks
 
 Problems = list[tuple[SkipReason, str]]
 #: Pieces uploaded at the same time by one ``put``.
@@ -643,9 +643,10 @@ def iter_pieced(io: RunIO, comp: ComponentEntry, label: str, chunk: int = CHUNK)
                                       f"{label}, piece {p.digest[:16]}", chunk)
 
 
-def read_pieced_into(io: RunIO, comp: ComponentEntry, label: str, out: memoryview) -> None:
-    """Fill ``out`` (exactly the component's size) piece by piece, each
-    verified; the next piece is read while the last one is hashed."""
+def read_pieced_into(io: RunIO, comp: ComponentEntry, label: str, out: memoryview | Scatter) -> None:
+    """Fill ``out`` (exactly the component's size: one view or a scatter of
+    many) piece by piece, each verified; the next piece is read while the
+    last one is hashed."""
     io.read_verified_parts_into(
         [(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p), f"{label}, piece {p.digest[:16]}")
          for p in comp.pieces or ()], out)

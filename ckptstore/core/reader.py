@@ -13,7 +13,7 @@ from ..errors import CorruptionError, InvalidInputError, NotFoundError
 from ..protocol import ComponentEntry, component_key
 from ..protocol.selection import SaveRef, SkipReason, describe_superseder, superseded_by
 from .catalog import Catalog
-from .hashing import CHUNK
+from .hashing import CHUNK, Scatter
 from .pieces import iter_pieced, read_pieced_into, read_pieced_range
 
 
@@ -28,6 +28,17 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+def _writable_view(out: object) -> memoryview:
+    """A flat byte view of a writable, contiguous buffer; :class:`InvalidInputError` for anything else."""
+    try:
+        view = memoryview(out).cast("B")  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidInputError(f"read_into needs a writable contiguous buffer, got {type(out).__name__}") from None
+    if view.readonly:
+        raise InvalidInputError("read_into needs a writable buffer, got a read-only one")
+    return view
 
 
 class Reader:
@@ -61,20 +72,21 @@ class Reader:
         return b"".join(self.iter_read(ref, name))
 
     def read_into(self, ref: SaveRef, name: str, out: object) -> None:
-        """``out``: a writable, contiguous buffer of exactly the component's size."""
+        """``out``: a writable, contiguous buffer of exactly the component's
+        size, or a list or tuple of such buffers whose sizes add up to it
+        (filled in order, as one: a scatter read, e.g. one buffer per tensor)."""
         key, comp = self._component(ref, name)
-        try:
-            view = memoryview(out).cast("B")  # type: ignore[arg-type]
-        except TypeError:
-            raise InvalidInputError(f"read_into needs a writable contiguous buffer, got {type(out).__name__}") from None
-        if view.readonly:
-            raise InvalidInputError("read_into needs a writable buffer, got a read-only one")
-        if len(view) != comp.size:
-            raise InvalidInputError(f"read_into: buffer of {len(view)} bytes for component {name!r} of {comp.size}")
+        parts = out if isinstance(out, (list, tuple)) else [out]
+        views = [_writable_view(b) for b in parts]
+        total = sum(len(v) for v in views)
+        if total != comp.size:
+            what = f"{len(views)} buffers of {total} bytes in all" if isinstance(out, (list, tuple)) else f"buffer of {total} bytes"
+            raise InvalidInputError(f"read_into: {what} for component {name!r} of {comp.size}")
+        dest = views[0] if len(views) == 1 else Scatter(views)
         if comp.pieces is not None:
-            read_pieced_into(self.io, comp, f"component {name!r} of save {ref.save_id}", view)
+            read_pieced_into(self.io, comp, f"component {name!r} of save {ref.save_id}", dest)
             return
-        self.io.read_verified_into(key, comp, f"component {name!r} of save {ref.save_id}", view)
+        self.io.read_verified_into(key, comp, f"component {name!r} of save {ref.save_id}", dest)
 
     def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a component, **not** verified: for readers

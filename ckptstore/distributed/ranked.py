@@ -136,6 +136,9 @@ class RankStore:
     def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
         self.run.store.read_into(ref, self.prefix + name, out)
 
+    def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
+        return self.run.store.read_range(ref, self.prefix + name, start, end)
+
     @property
     def tiered(self) -> bool:
         """Whether the job was opened with a ``local_tier`` (``docs/tiers.md`` "Many ranks")."""

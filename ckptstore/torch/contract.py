@@ -95,7 +95,16 @@ class CheckpointerStore(Protocol):
 
     def component(self, ref: SaveRef, name: str) -> ComponentEntry: ...
 
-    def read_into(self, ref: SaveRef, name: str, out: Any) -> None: ...
+    def read_into(self, ref: SaveRef, name: str, out: Any) -> None:
+        """Fill ``out`` (one writable buffer, or a list of them: a scatter
+        read) with the component, verified (:meth:`CheckpointStore.read_into`)."""
+        ...
+
+    def read_range(self, ref: SaveRef, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a component, **not** verified: the restore
+        reads a header with it to shape the memory of a verified read, and
+        trusts nothing of it before that read's digest matched."""
+        ...
 
     def read_resume_point(
         self, ref: SaveRef, read: Callable[[SaveRef], T], check: Callable[[T, SaveRef], None] | None = None

@@ -133,36 +133,69 @@ def _entries(header: Any, data_len: int) -> list[tuple[str, torch.dtype, list[in
     return out
 
 
+Entry = tuple[str, torch.dtype, list[int], int, int]
+
+
+def header_span(head: bytes, size: int) -> int:
+    """How many leading bytes of a safetensors file of ``size`` bytes hold its
+    header (the 8-byte length field included), from at least its first 8
+    bytes ``head``; a length past the file or :data:`MAX_HEADER` is a
+    :class:`CorruptionError`."""
+    if size < 8 or len(head) < 8:
+        raise CorruptionError(f"safetensors component cannot be parsed: {size} bytes is shorter than the header length field")
+    hlen = struct.unpack("<Q", head[:8])[0]
+    if hlen > min(MAX_HEADER, size - 8):
+        raise CorruptionError(f"safetensors component cannot be parsed: header length {hlen} exceeds the file "
+                              f"({size} bytes) or the bound")
+    return 8 + int(hlen)
+
+
+def parse_layout(head: bytes, size: int) -> tuple[int, list[Entry]]:
+    """(offset of the data section, the tensor entries in data order) of a
+    safetensors file of ``size`` bytes whose first bytes are ``head`` (at
+    least :func:`header_span` of them). The header is parsed strictly
+    (bounded size, no duplicate keys, known dtypes, offsets that match the
+    shapes and tile the data exactly); anything else is :class:`CorruptionError`."""
+    start = header_span(head, size)
+    if len(head) < start:
+        raise ValueError(f"{len(head)} bytes given of a header of {start}")
+    try:
+        header = json.loads(bytes(head[8:start]).decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+        return start, _entries(header, size - start)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CorruptionError(f"safetensors component cannot be parsed: {exc}") from None
+
+
+def check_bools(name: str, t: torch.Tensor) -> None:
+    """A bool tensor's bytes are 0 or 1 (any other byte is no bool torch can hold)."""
+    if t.dtype == torch.bool and t.numel() and bool((t.reshape(-1).view(torch.uint8) > 1).any()):
+        raise CorruptionError(f"safetensors component cannot be parsed: tensor {name!r}: a bool holds a value "
+                              "other than 0 or 1")
+
+
 def tensors_from_buffer(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file held in ``buf`` (1-D uint8, CPU): a
     tensor of at least :data:`MIN_VIEW_BYTES` is a view of ``buf``'s memory
     (no copy); a smaller one, or one whose offset is not aligned to its
     element size, gets its own memory (some torch APIs, e.g.
     ``Generator.set_state``, read a tensor's storage from its start and would
-    misread a view). The header is parsed strictly
-    (bounded size, no duplicate keys, known dtypes, offsets that tile the
-    data); anything else is :class:`CorruptionError`."""
+    misread a view). The header is parsed as :func:`parse_layout` does;
+    anything malformed is :class:`CorruptionError`."""
+    n = buf.numel()
+    head = buf[: min(n, 8)].numpy().tobytes()
+    start = header_span(head, n)
+    start, entries = parse_layout(buf[:start].numpy().tobytes(), n)
     try:
-        n = buf.numel()
-        if n < 8:
-            raise ValueError(f"{n} bytes is shorter than the header length field")
-        hlen = struct.unpack("<Q", buf[:8].numpy().tobytes())[0]
-        if hlen > min(MAX_HEADER, n - 8):
-            raise ValueError(f"header length {hlen} exceeds the file ({n} bytes) or the bound")
-        header = json.loads(buf[8 : 8 + hlen].numpy().tobytes().decode("utf-8"), object_pairs_hook=no_duplicate_keys)
-        start = 8 + hlen
-        entries = _entries(header, n - start)
         out: dict[str, torch.Tensor] = {}
         for name, dtype, shape, begin, end in entries:
             raw = buf[start + begin : start + end]
             if (start + begin) % dtype.itemsize or end - begin < MIN_VIEW_BYTES:
                 raw = raw.clone()
             t = raw.view(dtype).view(shape)
-            if dtype == torch.bool and bool((raw > 1).any()):
-                raise ValueError(f"tensor {name!r}: a bool holds a value other than 0 or 1")
+            check_bools(name, t)
             out[name] = t
         return out
-    except (ValueError, UnicodeDecodeError, RecursionError, RuntimeError, struct.error) as exc:
+    except (ValueError, RuntimeError) as exc:
         raise CorruptionError(f"safetensors component cannot be parsed: {exc}") from None
 
 

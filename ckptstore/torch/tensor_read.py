@@ -1,15 +1,27 @@
 """Reading a save's tensor components in one verified pass.
 
-Each component is read straight into one fresh CPU buffer (its final home:
-the tensors handed out are views of it), hashed chunk by chunk in a helper
-thread while the next chunk is read (:meth:`CheckpointStore.read_into`), and
-parsed without a copy (:func:`tensors_from_buffer`). Components are read
-concurrently. Nothing is returned unless every component verified, so a
+Each component is read straight into the memory of the tensors handed out (a
+scatter read, :meth:`CheckpointStore.read_into` with one buffer per tensor):
+its safetensors header is read first (a bounded range read, parsed strictly,
+**not yet trusted**), one tensor of the header's dtype and shape is allocated
+per entry with :func:`torch.empty` (torch's allocator, the same allocations
+torch.load makes for its own storages, so the process's freed memory is
+reused the same way, every tensor aligned, no copy of small tensors), then the
+whole component is read into [header, tensor, tensor, ...], hashed span by
+span in a helper thread while the next span is read. The tensors are handed
+out only after the component's digest matched and the verified header equals
+the one that shaped them (a header that differs, e.g. a tier's copy damaged
+or a file rewritten between the two reads, sends the component down the
+one-buffer path below, decided by the verified bytes alone). Components are
+read concurrently. Nothing is returned unless every component verified, so a
 caller that applies the tensors only after this returns never applies a
 corrupt byte.
 
-The buffers are plain :func:`torch.empty` memory (see :func:`fresh_buffer`
-for why not huge pages).
+A header that cannot be read or parsed before the verified read falls back
+to the one-buffer path: the component read into one fresh buffer
+(:func:`fresh_buffer`, plain :func:`torch.empty` memory; see there for why not
+huge pages), verified, then parsed (:func:`tensors_from_buffer`); a damaged
+component then fails its digest as before.
 
 The size allocated is the commit record's claim, which is storage input: it
 is checked against the caller's bound for the entry first (what the live
@@ -26,12 +38,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .. import SaveRef
-from ..errors import CorruptionError
+from ..errors import CorruptionError, NotFoundError
 from .contract import CheckpointerStore
-from .safetensors_io import tensors_from_buffer
+from .safetensors_io import check_bools, header_span, parse_layout, tensors_from_buffer
 
 #: components read at the same time (each also keeps one hashing thread busy)
 MAX_PARALLEL = 4
+#: bytes read for the header before the verified read (a longer header costs a second range read)
+HEAD_GUESS = 64 << 10
 
 
 def fresh_buffer(size: int) -> torch.Tensor:
@@ -46,26 +60,79 @@ def fresh_buffer(size: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8)
 
 
+def _claim_error(ref: SaveRef, comp: str, size: int, limit: int | None, entry: str) -> CorruptionError | None:
+    if limit is not None and size > limit:
+        return CorruptionError(
+            f"save {ref.save_id} (step {ref.step}): component {comp!r} claims {size} bytes, more than the live "
+            f"{entry!r} can hold ({limit} bytes with the safetensors header cap): the save is damaged or forged, or "
+            "was made for a larger object (restore it into an object of that size)"
+        )
+    return None
+
+
+def _no_memory(ref: SaveRef, comp: str, size: int, exc: BaseException) -> CorruptionError:
+    msg = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+    return CorruptionError(
+        f"save {ref.save_id} (step {ref.step}): component {comp!r} claims {size} bytes, which cannot be allocated "
+        f"({msg}): treating the save as damaged"
+    )
+
+
 def _allocate(ref: SaveRef, comp: str, size: int, limit: int | None, entry: str) -> torch.Tensor:
     """The read buffer of a component whose size the commit record claims."""
-    where = f"save {ref.save_id} (step {ref.step}): component {comp!r}"
-    if limit is not None and size > limit:
-        raise CorruptionError(
-            f"{where} claims {size} bytes, more than the live {entry!r} can hold ({limit} bytes with the "
-            "safetensors header cap): the save is damaged or forged, or was made for a larger object "
-            "(restore it into an object of that size)"
-        )
+    err = _claim_error(ref, comp, size, limit, entry)
+    if err is not None:
+        raise err
     try:
         return fresh_buffer(size)
     except (MemoryError, OSError, RuntimeError) as exc:
-        msg = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
-        raise CorruptionError(
-            f"{where} claims {size} bytes, which cannot be allocated ({msg}): treating the save as damaged"
-        ) from None
+        raise _no_memory(ref, comp, size, exc) from None
+
+
+def _read_head(store: CheckpointerStore, ref: SaveRef, comp: str, size: int) -> bytes:
+    """The component's header bytes (length field included), read but not verified."""
+    head = store.read_range(ref, comp, 0, min(size, HEAD_GUESS))
+    need = header_span(head, size)
+    if need > len(head):
+        head = store.read_range(ref, comp, 0, need)
+    return head[:need]
+
+
+def _read_scattered(store: CheckpointerStore, ref: SaveRef, comp: str, size: int) -> dict[str, torch.Tensor] | None:
+    """The component read straight into one new tensor per entry (see the
+    module docstring); None when its header could not be read or parsed
+    before the read, or the verified header differs from the one read first."""
+    try:
+        head = _read_head(store, ref, comp, size)
+        start, entries = parse_layout(head, size)
+    except (CorruptionError, NotFoundError):
+        return None
+    try:  # the entries tile size - start bytes: the allocation is the claim, bounded by the caller
+        tensors = [(name, torch.empty(shape, dtype=dtype)) for name, dtype, shape, _b, _e in entries]
+    except (MemoryError, OSError, RuntimeError) as exc:
+        raise _no_memory(ref, comp, size, exc) from None
+    header = bytearray(start)
+    store.read_into(ref, comp, [header, *(_bytes_of(t) for _n, t in tensors if t.numel())])
+    if header != head:
+        return None
+    for name, t in tensors:
+        check_bools(name, t)
+    return dict(tensors)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _read_one(store: CheckpointerStore, ref: SaveRef, comp: str, limit: int | None, entry: str) -> dict[str, torch.Tensor]:
-    buf = _allocate(ref, comp, store.component(ref, comp).size, limit, entry)
+    size = store.component(ref, comp).size
+    err = _claim_error(ref, comp, size, limit, entry)
+    if err is not None:
+        raise err
+    out = _read_scattered(store, ref, comp, size)
+    if out is not None:
+        return out
+    buf = _allocate(ref, comp, size, limit, entry)
     store.read_into(ref, comp, buf.numpy())
     return tensors_from_buffer(buf)
 
@@ -87,9 +154,9 @@ def read_tensors(
         return {name: _read_one(store, ref, comp, bound.get(name), name) for name, comp in items}
     for name, comp in items:  # every claim checked before any buffer is allocated
         if name in bound:
-            size = store.component(ref, comp).size
-            if size > bound[name]:
-                _allocate(ref, comp, size, bound[name], name)
+            err = _claim_error(ref, comp, store.component(ref, comp).size, bound[name], name)
+            if err is not None:
+                raise err
     with ThreadPoolExecutor(min(MAX_PARALLEL, len(items)), thread_name_prefix="ckptstore-read") as pool:
         futures = {name: pool.submit(_read_one, store, ref, comp, bound.get(name), name) for name, comp in items}
         return {name: fut.result() for name, fut in futures.items()}

@@ -264,6 +264,9 @@ def _decode_like_read_save(doc: Any, step: int, real: CheckpointStore, ref: Any)
         def read_into(self, _ref: Any, name: str, out: Any) -> None:
             real.read_into(ref, name, out)
 
+        def read_range(self, _ref: Any, name: str, start: int, end: int) -> bytes:
+            return real.read_range(ref, name, start, end)
+
     class _Ref:
         save_id = ref.save_id
 

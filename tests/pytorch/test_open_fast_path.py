@@ -19,7 +19,7 @@ from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.protocol import component_key
 from ckptstore.torch import Checkpointer
-from ckptstore.torch.tensor_read import fresh_buffer
+from ckptstore.torch.tensor_read import HEAD_GUESS, fresh_buffer
 
 IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "r", "feature_contract": "f"}
 
@@ -62,16 +62,23 @@ def test_open_reads_every_byte_once(tmp_path: Path) -> None:
     def reads_of_model(trace_owner: FaultyBackend) -> int:
         return sum(1 for t in trace_owner.trace if t.key == key and t.op in ("get_range", "get"))
 
+    def bytes_of_model(trace_owner: FaultyBackend) -> int:
+        return sum(int(t.outcome.split()[1].removesuffix("B")) for t in trace_owner.trace
+                   if t.key == key and t.op == "get_range")
+
     one = FaultyBackend(LocalBackend(str(tmp_path)))
     store = CheckpointStore.open(one, "run")
     store.read_into(ref, "model.safetensors", bytearray(ref.components["model.safetensors"].size))
-    one_read = reads_of_model(one)
+    one_read, one_bytes = reads_of_model(one), bytes_of_model(one)
     assert one_read >= 1
 
     fast = FaultyBackend(LocalBackend(str(tmp_path)))
     with Checkpointer.open(fast, "run", IDENT, _objects(2), async_save=False, handle_signals=False) as ck:
         assert ck.resume() == 4
-    assert reads_of_model(fast) == one_read  # the open checked sizes; the resume read (and hashed) once
+    # the open checked sizes; the resume read (and hashed) every byte once, after one bounded read of the
+    # header that shapes the tensors the component is read into (tensor_read's scatter read)
+    assert reads_of_model(fast) == one_read + 1
+    assert one_bytes < bytes_of_model(fast) <= one_bytes + HEAD_GUESS
 
     deep = FaultyBackend(LocalBackend(str(tmp_path)))
     store = CheckpointStore.open(deep, "run", identity=IDENT)  # the store's own default: re-hash at open

@@ -179,6 +179,43 @@ class Candidate:
     save_id: str | None
 
 
+def commit_info(c: Candidate, objs: Mapping[str, ObjectInfo], hashed: bool, mtime: float | None,
+                selected: bool) -> SaveInfo:
+    """The listing row of a judged commit (``hashed``: its deep check ran)."""
+    if c.ref is not None:
+        state, detail = SaveState.COMMITTED, "verified" if hashed else "sizes verified"
+    elif c.problems[0][0] is SkipReason.SUPERSEDED:
+        state, detail = SaveState.SUPERSEDED, c.problems[0][1]
+    elif c.problems[0][0] is SkipReason.UNSUPPORTED_VERSION:
+        state, detail = SaveState.UNSUPPORTED, c.problems[0][1]
+    else:
+        state, detail = SaveState.CORRUPT, "; ".join(d for _, d in c.problems)
+    written = referenced = None
+    if c.ref is not None:
+        written, referenced = c.ref.record.bytes_written(), c.ref.total_bytes
+    return SaveInfo(
+        c.save_id or "?", c.step, c.attempt, state, detail, sum(o.size for o in objs.values()), len(objs), mtime,
+        selected=selected, ref=c.ref, bytes_written=written, bytes_referenced=referenced,
+    )
+
+
+def uncommitted_info(sid: str, sa: tuple[int, int], objs: Mapping[str, ObjectInfo], pieces: list[ListedPiece],
+                     now: float, grace_seconds: float, attempts: AttemptView) -> SaveInfo:
+    """The listing row of a save with no commit of its (step, attempt): in
+    progress or partial by the age of its newest write, partial when its writer was replaced."""
+    size = sum(o.size for o in objs.values()) + sum(p.size for p in pieces)
+    what = f"{len(objs)} component(s)" + (f" and {len(pieces)} piece(s)" if pieces else "")
+    newest = max([o.mtime for o in objs.values()] + [p.mtime for p in pieces])
+    state = uncommitted_state(now - newest, grace_seconds)
+    detail = f"{what} written, no commit record; last write {now - newest:.0f}s ago"
+    later = superseded_by(sa[0], sa[1], attempts.effective)
+    if later is not None:
+        # its writer was replaced before this step: it can never be committed
+        state = SaveState.PARTIAL
+        detail = f"abandoned ({describe_superseder(later)}); {detail}"
+    return SaveInfo(sid, sa[0], sa[1], state, detail, size, len(objs), None)
+
+
 class Catalog:
     """Reads and judges one run's commits."""
 
@@ -463,6 +500,24 @@ class Catalog:
             out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{n} component(s) written, no commit record"))
         return out
 
+    def judge_one(
+        self, step: int, attempt: int, listed: ObjectInfo | None, attempts: AttemptView, deep: bool,
+    ) -> tuple[Candidate, dict[str, ObjectInfo]]:
+        """One commit judged as a full walk would judge it, from a listing of
+        its own save prefix (returned: the save's objects by component name),
+        for retention that touches what it deletes (``core.collector.Retention``)."""
+        sid: str | None = None
+        try:
+            sid = self.load_commit(step, attempt, listed, listed.key if listed is not None else None).save_id
+        except (UnsupportedVersion, NotFoundError, CorruptionError):
+            pass  # evaluate says why
+        objs: dict[str, ObjectInfo] = {}
+        if sid is not None:
+            prefix = save_prefix(self.io.run_id, sid)
+            objs = {o.key[len(prefix) :]: o for o in self.io.list(prefix) if is_component_name(o.key[len(prefix) :])}
+        scan = Scan({(step, attempt): listed} if listed is not None else {}, {sid: objs} if sid else {}, attempts)
+        return self.evaluate(step, attempt, scan, deep), objs
+
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
         """The commit of ``step`` (the highest attempt, unless given); not verified."""
         if attempt is None:
@@ -493,28 +548,12 @@ class Catalog:
                 latest = c.ref
             if c.save_id:
                 committed_ids.add(c.save_id)
-            objs = scan.save_objects.get(c.save_id or "", {})
-            if c.ref is not None:
-                hashed = deep and (deep_until is None or verified <= deep_until)
-                state, detail = SaveState.COMMITTED, "verified" if hashed else "sizes verified"
-            elif c.problems[0][0] is SkipReason.SUPERSEDED:
-                state, detail = SaveState.SUPERSEDED, c.problems[0][1]
-            elif c.problems[0][0] is SkipReason.UNSUPPORTED_VERSION:
-                state, detail = SaveState.UNSUPPORTED, c.problems[0][1]
-            else:
-                state, detail = SaveState.CORRUPT, "; ".join(d for _, d in c.problems)
+            hashed = deep and (deep_until is None or verified <= deep_until)
             selected = latest is not None and c.ref is not None and c.ref.save_id == latest.save_id
-            written = referenced = None
+            out.append(commit_info(c, scan.save_objects.get(c.save_id or "", {}), hashed,
+                                   scan.commits[(c.step, c.attempt)].mtime, selected))
             if c.ref is not None:
-                written, referenced = c.ref.record.bytes_written(), c.ref.total_bytes
                 named.update(c.ref.record.piece_refs())
-            out.append(
-                SaveInfo(
-                    c.save_id or "?", c.step, c.attempt, state, detail, sum(o.size for o in objs.values()),
-                    len(objs), scan.commits[(c.step, c.attempt)].mtime, selected=selected, ref=c.ref,
-                    bytes_written=written, bytes_referenced=referenced,
-                )
-            )
         if latest is None and (scan.other or scan.stamped):
             raise self.mismatch(scan.other, scan.stamped)
         now = time.time()
@@ -555,14 +594,6 @@ class Catalog:
                 )
                 out.append(SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, size, len(objs), None))
                 continue
-            newest = max([o.mtime for o in objs.values()] + [p.mtime for p in pieces])
-            state = uncommitted_state(now - newest, grace_seconds)
-            detail = f"{what} written, no commit record; last write {now - newest:.0f}s ago"
-            later = superseded_by(sa[0], sa[1], scan.attempts.effective)
-            if later is not None:
-                # its writer was replaced before this step: it can never be committed
-                state = SaveState.PARTIAL
-                detail = f"abandoned ({describe_superseder(later)}); {detail}"
-            out.append(SaveInfo(sid, sa[0], sa[1], state, detail, size, len(objs), None))
+            out.append(uncommitted_info(sid, sa, objs, pieces, now, grace_seconds, scan.attempts))
         out.sort(key=lambda i: (i.step, i.attempt), reverse=True)
         return out

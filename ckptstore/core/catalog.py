@@ -30,7 +30,7 @@ from ..protocol import (
     saves_prefix,
 )
 from ..protocol.auth import AuthPolicy
-from ..protocol.layout import COMMITS_DIR
+from ..protocol.layout import COMMITS_DIR, PIECES_VERSION
 from ..protocol.pieces import ListedPiece
 from ..protocol.records import MAX_COMMIT_RECORD
 from ..protocol.selection import (
@@ -283,10 +283,12 @@ class Catalog:
         listing per holder), with ``deep`` each piece hashed once per scan.
         With :attr:`part` set, only that rank's components (pieced or not)."""
         mine = part_names(rec, self.part)
-        problems: Problems = check_pieces(
-            self.io, (c for n, c in rec.components.items() if mine is None or n in mine),
-            scan.pieces if scan is not None else None, deep, scan.piece_memo if scan is not None else None,
-        )
+        problems: Problems = []
+        if rec.version >= PIECES_VERSION:  # an older record names no piece (its decoder refuses them)
+            problems = check_pieces(
+                self.io, (c for n, c in rec.components.items() if mine is None or n in mine),
+                scan.pieces if scan is not None else None, deep, scan.piece_memo if scan is not None else None,
+            )
         if mine is not None and not mine:
             problems.append((SkipReason.MISSING_COMPONENT, f"the record gives rank {self.part} no component"))
         for name, comp in sorted(rec.components.items()):
@@ -569,10 +571,12 @@ class Catalog:
             if h not in scan.save_objects:
                 loose.pop(h, None)
         for sid in sorted(set(scan.save_objects) | set(loose)):
+            if sid in committed_ids:
+                continue
             objs = scan.save_objects.get(sid, {})
             pieces = loose.get(sid, [])
             sa = parse_save_id(sid)
-            if sid in committed_ids or sa is None:
+            if sa is None:
                 continue  # a directory whose name does not parse is not ckptstore's: never listed, never deleted
             size = sum(o.size for o in objs.values()) + sum(p.size for p in pieces)
             what = f"{len(objs)} component(s)" + (f" and {len(pieces)} piece(s)" if pieces else "")

@@ -278,7 +278,11 @@ class Retention:
         self._params: tuple[object, ...] | None = None
         self._taken_at = 0.0
         self._attempts: tuple[object, ...] = ()
+        #: the rows a later save can change: uncommitted saves, and commits not yet settled (below)
         self._infos: dict[str, SaveInfo] = {}
+        #: save IDs of the settled rows: corrupt and unsupported commits (kept as evidence) and commits
+        #: kept by ``keep_every`` behind the ``keep_last`` newest (kept whatever is saved later); never deleted
+        self._settled: set[str] = set()
         self._commits: set[tuple[int, int]] | None = None
         #: the rows of ``_infos`` that judge a commit (the others: save folders)
         self._from_commit: set[str] = set()
@@ -289,9 +293,30 @@ class Retention:
                  commits: set[tuple[int, int]] | None) -> None:
         """What a full gc judged and left (``commits`` None: nothing to start from)."""
         self._params, self._taken_at, self._attempts = params, taken_at, attempts_seen(attempts)
-        self._infos = {self._row_key(i): i for i in kept}
-        self._from_commit = {self._row_key(i) for i in kept if i.created_at is not None}
+        self._settled = set()
+        self._keep(kept, {self._row_key(i) for i in kept if i.created_at is not None}, params)
         self._commits = commits
+
+    def _keep(self, kept: list[SaveInfo], from_commit: set[str], params: tuple[object, ...]) -> None:
+        """Split the kept rows into the live ones and the settled ones."""
+        keep_last, keep_every = params[0], params[1]
+        assert isinstance(keep_last, int)
+        live: dict[str, SaveInfo] = {}
+        complete = 0
+        for i in sorted(kept, key=lambda i: (i.step, i.attempt), reverse=True):
+            k = self._row_key(i)
+            committed = i.state is SaveState.COMMITTED
+            complete += committed
+            settled = k in from_commit and (
+                i.state in (SaveState.CORRUPT, SaveState.UNSUPPORTED)
+                or (committed and complete > keep_last and isinstance(keep_every, int) and i.step % keep_every == 0)
+            )
+            if settled:
+                self._settled.add(i.save_id)
+            else:
+                live[k] = i
+        self._infos = live
+        self._from_commit = from_commit & set(live)
 
     @staticmethod
     def _row_key(i: SaveInfo) -> str:
@@ -392,6 +417,7 @@ class Retention:
             infos[k] = again
             verified += again.state is SaveState.COMMITTED
         plan = plan_gc(list(infos.values()), keep_last=keep_last, keep_every=keep_every)
+        plan.delete = [(i, r) for i, r in plan.delete if i.save_id not in self._settled]
         for i, _ in plan.delete:
             k = self._row_key(i)
             if k in fresh:
@@ -410,7 +436,6 @@ class Retention:
                 io.delete(act.key)
             gone = {(i.step, i.attempt) for i, _ in plan.delete}
             self._commits = (self._commits | set(new)) - gone
-            self._infos = {self._row_key(i): i for i in plan.keep}
-            self._from_commit = from_commit & set(self._infos)
+            self._keep(plan.keep, from_commit, (keep_last, keep_every))
         return GcReport(dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions,
-                        incremental=True)
+                        incremental=True)  # kept: the rows it judged (the settled ones are kept as they were)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..errors import InvalidInputError
 
@@ -91,6 +92,15 @@ def is_component_name(name: object) -> bool:
     reserved temporary marker)."""
     if not isinstance(name, str) or not name or len(name) > 512:
         return False
+    return _component_name_ok(name)
+
+
+#: Names parsed once per process for a listing read again (pure functions of the string; issue 32).
+PARSE_MEMO = 1 << 15
+
+
+@lru_cache(maxsize=PARSE_MEMO)
+def _component_name_ok(name: str) -> bool:
     return all(_SEGMENT_RE.fullmatch(seg) and RESERVED_MARK not in seg for seg in name.split("/"))
 
 
@@ -224,7 +234,12 @@ def parse_attempt_name(name: str) -> int | None:
 def parse_save_id(save_id: str) -> tuple[int, int] | None:
     """(step, attempt) of a save ID; None for anything else, another spelling
     of the same numbers included."""
-    m = _SAVE_ID_RE.fullmatch(save_id) if isinstance(save_id, str) else None
+    return _parse_save_id(save_id) if isinstance(save_id, str) else None
+
+
+@lru_cache(maxsize=PARSE_MEMO)
+def _parse_save_id(save_id: str) -> tuple[int, int] | None:
+    m = _SAVE_ID_RE.fullmatch(save_id)
     if m is None:
         return None
     step, attempt = int(m.group(1)), int(m.group(2))
@@ -312,6 +327,9 @@ class Layout:
         """(step, attempt) of a listed key, only if ``key`` is exactly that
         commit's canonical key (a key in a sub-folder of ``commits/``, or any
         other spelling of the same numbers, is None)."""
+        return _commit_of_key(self, run_id, key) if isinstance(key, str) and isinstance(run_id, str) else None
+
+    def _commit_of_key(self, run_id: str, key: str) -> tuple[int, int] | None:
         prefix = f"{run_id}/{COMMITS_DIR}/"
         sa = self.parse_commit_name(key[len(prefix) :]) if key.startswith(prefix) else None
         return sa if sa is not None and self.commit_key(run_id, *sa) == key else None
@@ -362,3 +380,8 @@ def layout_of(version: int) -> Layout:
             f"protocol version {version!r} is not one this ckptstore writes (1 … {PROTOCOL_VERSION})"
         )
     return layout
+
+
+@lru_cache(maxsize=PARSE_MEMO)
+def _commit_of_key(layout: Layout, run_id: str, key: str) -> tuple[int, int] | None:
+    return layout._commit_of_key(run_id, key)

@@ -139,6 +139,7 @@ class CheckpointStore:
                                 o.pieces)
         self._catalog, self._reader = self._durable.catalog, self._durable.reader
         self._retention = Retention(self._catalog)
+        self._catalog.writes_pack = self.mode == "w"
         # the run's own version decides (an existing run)
         check_combination(o, pieces=self._io.layout.pieces, joined=join_attempt is not None)
         #: where the saves live (``ckptstore.placement``): every tier-dependent step is delegated to it

@@ -47,6 +47,7 @@ from ..protocol.selection import (
     superseded_by,
     uncommitted_state,
 )
+from . import record_pack
 from .binding import version_mismatch
 from .bounded_io import RunIO
 from .commit_names import CommitKeys
@@ -100,6 +101,11 @@ class Scan:
     stamped: list[tuple[str, int]] = field(default_factory=list)
     #: the auth sidecars of the commit records, listed once (None: not listed; each is read when needed)
     sidecars: dict[str, ObjectInfo] | None = None
+    #: record bytes this walk read or took from the record pack, with their listing entries, by key
+    #: (None: the backend cannot prove pack entries, §4.7.1); what a writer's pack is made of
+    raw: dict[str, tuple[ObjectInfo, bytes]] | None = None
+    #: records this walk read from the storage itself (not from the store's cache or the pack)
+    read_records: int = 0
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True, sidecars: bool = False,
@@ -225,6 +231,8 @@ class Catalog:
         self.auth: RecordAuth = attempts.auth
         self.identity_digest = identity_digest
         self.records = RecordCache()
+        #: a store opened for writing keeps the run's record pack up to date (§4.7.1); readers never write
+        self.writes_pack = False
         #: a local tier of one rank of a multi-rank run (PROTOCOL.md §"Tiers"): only the
         #: components the record's ``ranks`` map gives this rank are checked; None: all
         self.part: int | None = None
@@ -390,6 +398,14 @@ class Catalog:
         """The scan's commits newest first; before each batch of them, the
         records the cache does not hold are read in one ``get_many``."""
         order = candidate_order(scan.commits)
+        packed: dict[str, bytes] = {}
+        if record_pack.usable(self.io):
+            # the record pack (§4.7.1) only when it can save requests: bytes proven to be the listed records'
+            missing = {info.key: info for sa, info in scan.commits.items() if sa[1] in scan.attempts.records
+                       and self.records.get(info.key, (info.size, info.mtime)) is None}
+            if len(missing) >= record_pack.MIN_NEW_RECORDS:
+                packed = record_pack.read_pack(self.io, missing)
+            scan.raw = {}
         i = 0
         while i < len(order):
             batch: list[tuple[int, int]] = []
@@ -399,12 +415,23 @@ class Catalog:
                 size += scan.commits[order[i]].size
                 i += 1
             want, sizes = [], []
+            scan.fetched = {}
             for sa in batch:
                 info = scan.commits[sa]
                 if sa[1] in scan.attempts.records and self.records.get(info.key, (info.size, info.mtime)) is None:
+                    if info.key in packed:
+                        scan.fetched[info.key] = packed[info.key]
+                        continue
                     want.append(info.key)
                     sizes.append(info.size)
-            scan.fetched = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD, sizes), strict=True))
+            got = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD, sizes), strict=True))
+            scan.fetched.update(got)
+            if scan.raw is not None:
+                scan.read_records += sum(d is not None for d in got.values())
+                for sa in batch:
+                    info = scan.commits[sa]
+                    if (data := scan.fetched.get(info.key)) is not None:
+                        scan.raw[info.key] = (info, data)
             yield from batch
         scan.fetched = {}
 
@@ -558,6 +585,8 @@ class Catalog:
                 named.update(c.ref.record.piece_refs())
         if latest is None and (scan.other or scan.stamped):
             raise self.mismatch(scan.other, scan.stamped)
+        if self.writes_pack and scan.raw and scan.read_records >= record_pack.MIN_NEW_RECORDS:
+            record_pack.write_pack(self.io, scan.raw)
         now = time.time()
         # version 3: pieces no commit names, by the save that wrote them (an uncommitted save may
         # have written nothing else: every byte of its components is in pieces, §9.1)

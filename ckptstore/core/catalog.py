@@ -104,8 +104,6 @@ class Scan:
     #: record bytes this walk read or took from the record pack, with their listing entries, by key
     #: (None: the backend cannot prove pack entries, §4.7.1); what a writer's pack is made of
     raw: dict[str, tuple[ObjectInfo, bytes]] | None = None
-    #: records this walk read from the storage itself (not from the store's cache or the pack)
-    read_records: int = 0
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True, sidecars: bool = False,
@@ -138,14 +136,15 @@ class Scan:
 
 class RecordCache:
     """Decoded commit records by key, each with the (size, time) its listing
-    showed when it was read: a record is used again only while the listing
-    shows the same entry (a record deleted by gc and created again under the
-    same name is read again). Bounded by :data:`RECORD_CACHE_BYTES`."""
+    showed when it was read, and its bytes (what a writer's record pack is
+    made of, §4.7.1): a record is used again only while the listing shows the
+    same entry (a record deleted by gc and created again under the same name
+    is read again). Bounded by :data:`RECORD_CACHE_BYTES` of stored bytes."""
 
     def __init__(self, limit: int = RECORD_CACHE_BYTES) -> None:
         self.limit = limit
         self._lock = threading.Lock()
-        self._items: dict[str, tuple[tuple[int, float], CommitRecord]] = {}
+        self._items: dict[str, tuple[tuple[int, float], CommitRecord, bytes]] = {}
         self._bytes = 0
 
     def get(self, key: str, seen: tuple[int, float]) -> CommitRecord | None:
@@ -153,12 +152,18 @@ class RecordCache:
             hit = self._items.get(key)
         return hit[1] if hit is not None and hit[0] == seen else None
 
-    def put(self, key: str, seen: tuple[int, float], rec: CommitRecord) -> None:
+    def data(self, key: str, seen: tuple[int, float]) -> bytes | None:
+        """The bytes the record was decoded from, while the listing shows the same entry."""
+        with self._lock:
+            hit = self._items.get(key)
+        return hit[2] if hit is not None and hit[0] == seen else None
+
+    def put(self, key: str, seen: tuple[int, float], rec: CommitRecord, data: bytes) -> None:
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= old[0][0]
-            self._items[key] = (seen, rec)
+            self._items[key] = (seen, rec, data)
             self._bytes += seen[0]
             while self._bytes > self.limit and self._items:
                 victim = next(iter(self._items))
@@ -233,6 +238,8 @@ class Catalog:
         self.records = RecordCache()
         #: a store opened for writing keeps the run's record pack up to date (§4.7.1); readers never write
         self.writes_pack = False
+        #: commit keys the record pack held when this store last read or wrote it
+        self.packed: set[str] = set()
         #: a local tier of one rank of a multi-rank run (PROTOCOL.md §"Tiers"): only the
         #: components the record's ``ranks`` map gives this rank are checked; None: all
         self.part: int | None = None
@@ -278,7 +285,7 @@ class Catalog:
             data = self.io.get_bounded(key, MAX_COMMIT_RECORD)
         rec = CommitRecord.decode(data, self.io.where(key), run_id=self.io.run_id, step=step, attempt=attempt)
         if seen is not None and seen[0] == len(data):
-            self.records.put(key, seen, rec)
+            self.records.put(key, seen, rec, data)
         return rec
 
     def check_components(
@@ -394,6 +401,23 @@ class Catalog:
                 seen_steps.add(step)
             yield c
 
+    def _refresh_pack(self, scan: Scan) -> None:
+        """A writer's record pack (§4.7.1), written again when at least
+        :data:`~ckptstore.core.record_pack.MIN_NEW_RECORDS` listed records are
+        not in the pack this store last read or wrote: from the bytes this walk
+        read and those the record cache holds under the same listing entry."""
+        assert scan.raw is not None
+        records: dict[str, tuple[ObjectInfo, bytes]] = {}
+        for info in scan.commits.values():
+            got = scan.raw.get(info.key)
+            data = got[1] if got is not None else self.records.data(info.key, (info.size, info.mtime))
+            if data is not None:
+                records[info.key] = (info, data)
+        if sum(k not in self.packed for k in records) >= record_pack.MIN_NEW_RECORDS and record_pack.write_pack(
+            self.io, records
+        ):
+            self.packed = set(records)
+
     def _fetching(self, scan: Scan) -> Iterator[tuple[int, int]]:
         """The scan's commits newest first; before each batch of them, the
         records the cache does not hold are read in one ``get_many``."""
@@ -405,6 +429,7 @@ class Catalog:
                        and self.records.get(info.key, (info.size, info.mtime)) is None}
             if len(missing) >= record_pack.MIN_NEW_RECORDS:
                 packed = record_pack.read_pack(self.io, missing)
+                self.packed = set(packed)
             scan.raw = {}
         i = 0
         while i < len(order):
@@ -427,7 +452,6 @@ class Catalog:
             got = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD, sizes), strict=True))
             scan.fetched.update(got)
             if scan.raw is not None:
-                scan.read_records += sum(d is not None for d in got.values())
                 for sa in batch:
                     info = scan.commits[sa]
                     if (data := scan.fetched.get(info.key)) is not None:
@@ -585,8 +609,8 @@ class Catalog:
                 named.update(c.ref.record.piece_refs())
         if latest is None and (scan.other or scan.stamped):
             raise self.mismatch(scan.other, scan.stamped)
-        if self.writes_pack and scan.raw and scan.read_records >= record_pack.MIN_NEW_RECORDS:
-            record_pack.write_pack(self.io, scan.raw)
+        if self.writes_pack and scan.raw is not None:
+            self._refresh_pack(scan)
         now = time.time()
         # version 3: pieces no commit names, by the save that wrote them (an uncommitted save may
         # have written nothing else: every byte of its components is in pieces, §9.1)

@@ -16,9 +16,10 @@ Backends whose listing carries no content digest (a local disk, GCS, memory)
 never read or write it.
 
 A store opened for writing writes the pack (a plain overwrite, no
-create-if-absent: any writer's complete copy will do) after a full walk that
-read at least :data:`MIN_NEW_RECORDS` records from the storage itself;
-readers never write. A failed write is ignored.
+create-if-absent: any writer's complete copy will do) after a full walk when
+at least :data:`MIN_NEW_RECORDS` of the records it holds are not in the pack
+it last read or wrote (a long-lived writer's periodic full gc keeps it
+current from its record cache); readers never write. A failed write is ignored.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ INDEX_DIR = "index"
 PACK_KIND = "commit-pack"
 #: The largest pack read or written (a bigger one is ignored, never read in part).
 MAX_PACK_BYTES = 64 << 20
-#: A full walk that read at least this many records from the storage writes the pack again.
+#: A pack is read when a walk misses this many records, and written again when it lacks this many.
 MIN_NEW_RECORDS = 64
 _MD5 = re.compile(r"[0-9a-f]{32}")
 

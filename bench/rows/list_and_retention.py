@@ -12,8 +12,9 @@ in the same rounds: a bare ``os.scandir`` of the run's ``commits/`` and
 one ``scandir`` of each save's folder (what judging every save by its listed
 components must read without an index). On S3 (SeaweedFS on loopback, started
 by ``devservers/servers.py``; the run copied object for object): seconds and
-HTTP requests of a cold ``list_saves()`` against ``backend.list_keys`` of the
-run's ``commits/`` prefix.
+HTTP requests of a cold ``list_saves()`` without a record pack and with the
+one the run's writer leaves (PROTOCOL.md §4.7.1), against ``backend.list_keys``
+of the run's ``commits/`` prefix.
 
 **Retention.** A run whose history holds K saves kept by ``keep_every`` (steps
 0, N, 2N, ...: what a long run with ``keep_every=N`` accumulates) is extended
@@ -147,8 +148,21 @@ def s3_rows(src: str, h: int) -> list[Row]:
             sync(fs.loop, fs.set_session)
         fs.s3.meta.events.register("before-send.s3", on_send)
         samples: dict[str, list[float]] = {"cold_s": [], "cold_http": [], "warm_s": [], "warm_http": [],
-                                           "floor_s": [], "floor_http": []}
+                                           "floor_s": [], "floor_http": [], "nopack_s": [], "nopack_http": []}
+        pack = f"{RUN}/index/commits.json"
         for _ in range(3):
+            if be.exists(pack):
+                be.delete(pack)
+            st = CheckpointStore.open(be, RUN, mode="r")
+            fs.invalidate_cache()
+            h0, t = http[0], time.perf_counter()
+            st.list_saves()
+            samples["nopack_s"].append(time.perf_counter() - t)
+            samples["nopack_http"].append(http[0] - h0)
+            # what the run's writer leaves behind after a full listing or gc (the record pack, §4.7.1)
+            wr = CheckpointStore.open(be, RUN, identity=IDENTITY)
+            wr.list_saves()
+            wr.close()
             fs.invalidate_cache()
             h0, t = http[0], time.perf_counter()
             be.list_keys(f"{RUN}/commits/")
@@ -170,12 +184,14 @@ def s3_rows(src: str, h: int) -> list[Row]:
         srv.stop()
     return [
         Row("10", f"list_saves(), H={h:,}, S3 (SeaweedFS)", "s", Measure("list_keys of commits/", samples["floor_s"]), [
-            Measure("list_saves(), store opened for the call (cold)", samples["cold_s"]),
+            Measure("list_saves(), store opened for the call (cold), no record pack", samples["nopack_s"]),
+            Measure("list_saves(), store opened for the call (cold), the writer's record pack", samples["cold_s"]),
             Measure("list_saves(), same store again (warm)", samples["warm_s"]),
         ], {"history": h, "copy_seconds": round(copied, 1)}),
         Row("10", f"list_saves(), H={h:,}, S3 (SeaweedFS), HTTP requests", "requests",
             Measure("list_keys of commits/", samples["floor_http"]), [
-                Measure("list_saves() cold", samples["cold_http"]),
+                Measure("list_saves() cold, no record pack", samples["nopack_http"]),
+                Measure("list_saves() cold, the writer's record pack", samples["cold_http"]),
                 Measure("list_saves() warm", samples["warm_http"]),
             ], {"history": h}),
     ]

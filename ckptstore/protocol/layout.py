@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from typing import TypeVar
 
 from ..errors import InvalidInputError
 
@@ -95,11 +96,32 @@ def is_component_name(name: object) -> bool:
     return _component_name_ok(name)
 
 
-#: Names parsed once per process for a listing read again (pure functions of the string; issue 32).
+#: Names parsed once per process for a listing read again (pure functions of the string; issue 32):
+#: each memo holds at most this many, and starts again empty when full.
 PARSE_MEMO = 1 << 15
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
-@lru_cache(maxsize=PARSE_MEMO)
+def _memo(fn: Callable[[_K], _V]) -> Callable[[_K], _V]:
+    """``fn`` (pure, of a hashable argument) with its results kept in a bounded dict."""
+    seen: dict[_K, _V] = {}
+
+    def cached(arg: _K) -> _V:
+        try:
+            return seen[arg]
+        except KeyError:
+            pass
+        value = fn(arg)
+        if len(seen) >= PARSE_MEMO:
+            seen.clear()
+        seen[arg] = value
+        return value
+
+    return cached
+
+
+@_memo
 def _component_name_ok(name: str) -> bool:
     return all(_SEGMENT_RE.fullmatch(seg) and RESERVED_MARK not in seg for seg in name.split("/"))
 
@@ -237,7 +259,7 @@ def parse_save_id(save_id: str) -> tuple[int, int] | None:
     return _parse_save_id(save_id) if isinstance(save_id, str) else None
 
 
-@lru_cache(maxsize=PARSE_MEMO)
+@_memo
 def _parse_save_id(save_id: str) -> tuple[int, int] | None:
     m = _SAVE_ID_RE.fullmatch(save_id)
     if m is None:
@@ -327,7 +349,7 @@ class Layout:
         """(step, attempt) of a listed key, only if ``key`` is exactly that
         commit's canonical key (a key in a sub-folder of ``commits/``, or any
         other spelling of the same numbers, is None)."""
-        return _commit_of_key(self, run_id, key) if isinstance(key, str) and isinstance(run_id, str) else None
+        return _commit_of_key((self, run_id, key)) if isinstance(key, str) and isinstance(run_id, str) else None
 
     def _commit_of_key(self, run_id: str, key: str) -> tuple[int, int] | None:
         prefix = f"{run_id}/{COMMITS_DIR}/"
@@ -382,6 +404,6 @@ def layout_of(version: int) -> Layout:
     return layout
 
 
-@lru_cache(maxsize=PARSE_MEMO)
-def _commit_of_key(layout: Layout, run_id: str, key: str) -> tuple[int, int] | None:
-    return layout._commit_of_key(run_id, key)
+@_memo
+def _commit_of_key(args: tuple[Layout, str, str]) -> tuple[int, int] | None:
+    return args[0]._commit_of_key(args[1], args[2])

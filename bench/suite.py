@@ -34,7 +34,8 @@ ROWS = [
     "memory",  # 7: peak memory of save and restore
     "restart",  # 8: end to end, restart to the first useful step
     "coordination",  # 9: the coordinator's cost against world size, dcp.save StoreWriter vs FileSystemWriter
-    "fsyncs",  # 10: fsyncs per save by protocol version (issue 32), and the same saves' seconds
+    "list_and_retention",  # 10: list_saves() of 10,000 saves (disk) and 2,000 (SeaweedFS); retention per save vs history
+    "fsyncs",  # 11: fsyncs per save by protocol version (issue 32), and the same saves' seconds
 ]
 
 

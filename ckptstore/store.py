@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, overload
 from .backends.base import Backend
 from .core.binding import bind_identity, read_identity, read_run_record
 from .core.bounded_io import RunIO
-from .core.collector import GcReport, collect
+from .core.collector import GcReport, Retention, collect
 from .core.fencing import AttemptLog
 from .core.hashing import CHUNK
 from .core.ledger import Ledger
@@ -138,6 +138,8 @@ class CheckpointStore:
         self._durable = OneTier(self._io, self._attempts, self._ledger, self.identity_digest, self._auth,
                                 o.pieces)
         self._catalog, self._reader = self._durable.catalog, self._durable.reader
+        self._retention = Retention(self._catalog)
+        self._catalog.writes_pack = self.mode == "w"
         # the run's own version decides (an existing run)
         check_combination(o, pieces=self._io.layout.pieces, joined=join_attempt is not None)
         #: where the saves live (``ckptstore.placement``): every tier-dependent step is delegated to it
@@ -400,6 +402,7 @@ class CheckpointStore:
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         dry_run: bool = False,
         deep: bool = True,
+        incremental: bool = False,
     ) -> GcReport:
         """Delete what no future resume can need, keeping invariant 4.
 
@@ -418,6 +421,16 @@ class CheckpointStore:
         (temporary files, unfinished uploads) older than the grace period. A
         committed save loses its commit record *before* its components. While
         an attempt record cannot be read, nothing is deleted (``refused``).
+
+        ``incremental=True`` (the Checkpointer's retention after each save):
+        the same rules at a cost that follows what is deleted, not the
+        history: the first call is a full gc that this store remembers; later
+        ones judge only what is new since, the ``keep_last`` newest saves and
+        what they delete, and fall back to a full gc whenever what they judge
+        again disagrees with what was remembered, the attempts changed, or the
+        remembered view is older than ``grace_seconds`` (PROTOCOL.md §4.5.1).
+        Uncommitted saves of other writers that appeared since the full gc,
+        temporaries and the ``ignored`` report wait for the next full gc.
         """
         if keep_last < 1:
             raise InvalidInputError("keep_last must be at least 1: the newest complete save is never deleted")
@@ -425,9 +438,13 @@ class CheckpointStore:
             raise InvalidInputError("keep_every must be at least 1")
         if grace_seconds < 0:
             raise InvalidInputError("grace_seconds must be >= 0")
-        return collect(
+        if incremental:
+            return self._retention.run(keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds,
+                                       dry_run=dry_run, deep=deep, timing=self._piece_timing)
+        self._retention.forget()
+        return collect(  # what a full gc judged and left is where the next incremental call starts
             self._catalog, keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds,
-            dry_run=dry_run, deep=deep, timing=self._piece_timing,
+            dry_run=dry_run, deep=deep, timing=self._piece_timing, retention=None if dry_run else self._retention,
         )
 
     def pieces_lacking(self, ref: SaveRef, target: Backend) -> list[PieceRef]:

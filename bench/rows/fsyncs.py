@@ -234,13 +234,13 @@ def run(cfg: Config) -> list[Row]:
         counted = count_saves(d, size, max(1, min(cfg.repeat, 3)))
         times = time_saves(d, size, cfg.repeat)
     floor = Measure("safetensors save_file+fsync", [float(c.fsyncs()) for c in counted.pop("safetensors save_file+fsync")])
-    rows = [Row("10", f"fsyncs per save, {human(size)} torch state (Linear+Adam, every tensor changed), local disk",
+    rows = [Row("11", f"fsyncs per save, {human(size)} torch state (Linear+Adam, every tensor changed), local disk",
                 "fsyncs", floor, [Measure(k, [float(c.fsyncs()) for c in v]) for k, v in counted.items()],
                 {"bytes": size},
                 ["counted by wrapping os.fsync/os.fdatasync in the process; `python -m bench.rows.fsyncs` prints them "
                  "by call site; version 3 writes one piece file per 8 MiB of changed bytes"])]
     tfloor = Measure("raw write+fsync", times.pop("raw write+fsync"))
-    rows.append(Row("10b", f"sync save time by protocol version, {human(size)} torch state, local disk", "s", tfloor,
+    rows.append(Row("11b", f"sync save time by protocol version, {human(size)} torch state, local disk", "s", tfloor,
                     [Measure(k, v) for k, v in times.items()], {"bytes": size}))
     return rows
 

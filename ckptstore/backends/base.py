@@ -98,6 +98,10 @@ class Capabilities:
     #: need only the first keys ask for small pages. False: every call reads
     #: the whole prefix anyway (a directory on disk), so ask for all at once.
     list_pages: bool = False
+    #: A listed :attr:`ObjectInfo.version` of an object written in one request is the MD5 of its
+    #: bytes (an S3 ETag): bytes held elsewhere can be proven to be the listed object's (the record
+    #: pack, PROTOCOL.md §4.7.1). Only tunes cost: False (the default) reads every record itself.
+    version_is_md5: bool = False
 
 
 def check_key(key: str) -> str:

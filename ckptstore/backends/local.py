@@ -309,9 +309,10 @@ class LocalBackend(Backend):
             return out
         for dirpath, files in self._walk_matching(top, prefix.rsplit("/", 1)[-1], flat):
             rel = self._rel_dir(dirpath)
+            inside = rel.startswith(prefix)  # every key of the folder has the prefix: not checked one by one
             for f, size, mtime in files:
                 key = rel + f
-                if TMP_MARK not in f and key.startswith(prefix):
+                if TMP_MARK not in f and (inside or key.startswith(prefix)):
                     out.append(ObjectInfo(key, size, mtime))
         out.sort(key=lambda o: o.key)
         return out

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import InvalidInputError, UnsupportedBackendError
 from ..util.redact import redact_text, redact_url
-from .base import Buffer, check_depth
+from .base import Buffer, Capabilities, check_depth
 from .fsspec_base import PART_SIZE, FsspecBackend, error_code, finish_backend, mtime_of, prepare_options, status_of
 
 #: Parts uploaded at once by one component upload. The caller's thread keeps
@@ -56,6 +56,8 @@ def _parts(chunks: Iterable[Buffer], size: int) -> Iterator[Buffer]:
 
 class S3Backend(FsspecBackend):
     scheme = "s3"
+    #: an ETag of a single-request PUT is the MD5 of the object (the record pack relies on it, and checks it)
+    capabilities = Capabilities(atomic_create=True, consistent_list=True, list_pages=True, version_is_md5=True)
     endpoint_env = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
     def _call(self, method: str, **kwargs: Any) -> Any:

@@ -30,7 +30,7 @@ from ..protocol import (
     saves_prefix,
 )
 from ..protocol.auth import AuthPolicy
-from ..protocol.layout import COMMITS_DIR
+from ..protocol.layout import COMMITS_DIR, PIECES_VERSION
 from ..protocol.pieces import ListedPiece
 from ..protocol.records import MAX_COMMIT_RECORD
 from ..protocol.selection import (
@@ -47,6 +47,7 @@ from ..protocol.selection import (
     superseded_by,
     uncommitted_state,
 )
+from . import record_pack
 from .binding import version_mismatch
 from .bounded_io import RunIO
 from .commit_names import CommitKeys
@@ -100,6 +101,9 @@ class Scan:
     stamped: list[tuple[str, int]] = field(default_factory=list)
     #: the auth sidecars of the commit records, listed once (None: not listed; each is read when needed)
     sidecars: dict[str, ObjectInfo] | None = None
+    #: record bytes this walk read or took from the record pack, with their listing entries, by key
+    #: (None: the backend cannot prove pack entries, §4.7.1); what a writer's pack is made of
+    raw: dict[str, tuple[ObjectInfo, bytes]] | None = None
 
     @classmethod
     def take(cls, io: RunIO, attempts: AttemptView, *, with_saves: bool = True, sidecars: bool = False,
@@ -132,14 +136,15 @@ class Scan:
 
 class RecordCache:
     """Decoded commit records by key, each with the (size, time) its listing
-    showed when it was read: a record is used again only while the listing
-    shows the same entry (a record deleted by gc and created again under the
-    same name is read again). Bounded by :data:`RECORD_CACHE_BYTES`."""
+    showed when it was read, and its bytes (what a writer's record pack is
+    made of, §4.7.1): a record is used again only while the listing shows the
+    same entry (a record deleted by gc and created again under the same name
+    is read again). Bounded by :data:`RECORD_CACHE_BYTES` of stored bytes."""
 
     def __init__(self, limit: int = RECORD_CACHE_BYTES) -> None:
         self.limit = limit
         self._lock = threading.Lock()
-        self._items: dict[str, tuple[tuple[int, float], CommitRecord]] = {}
+        self._items: dict[str, tuple[tuple[int, float], CommitRecord, bytes]] = {}
         self._bytes = 0
 
     def get(self, key: str, seen: tuple[int, float]) -> CommitRecord | None:
@@ -147,12 +152,18 @@ class RecordCache:
             hit = self._items.get(key)
         return hit[1] if hit is not None and hit[0] == seen else None
 
-    def put(self, key: str, seen: tuple[int, float], rec: CommitRecord) -> None:
+    def data(self, key: str, seen: tuple[int, float]) -> bytes | None:
+        """The bytes the record was decoded from, while the listing shows the same entry."""
+        with self._lock:
+            hit = self._items.get(key)
+        return hit[2] if hit is not None and hit[0] == seen else None
+
+    def put(self, key: str, seen: tuple[int, float], rec: CommitRecord, data: bytes) -> None:
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= old[0][0]
-            self._items[key] = (seen, rec)
+            self._items[key] = (seen, rec, data)
             self._bytes += seen[0]
             while self._bytes > self.limit and self._items:
                 victim = next(iter(self._items))
@@ -179,6 +190,43 @@ class Candidate:
     save_id: str | None
 
 
+def commit_info(c: Candidate, objs: Mapping[str, ObjectInfo], hashed: bool, mtime: float | None,
+                selected: bool) -> SaveInfo:
+    """The listing row of a judged commit (``hashed``: its deep check ran)."""
+    if c.ref is not None:
+        state, detail = SaveState.COMMITTED, "verified" if hashed else "sizes verified"
+    elif c.problems[0][0] is SkipReason.SUPERSEDED:
+        state, detail = SaveState.SUPERSEDED, c.problems[0][1]
+    elif c.problems[0][0] is SkipReason.UNSUPPORTED_VERSION:
+        state, detail = SaveState.UNSUPPORTED, c.problems[0][1]
+    else:
+        state, detail = SaveState.CORRUPT, "; ".join(d for _, d in c.problems)
+    written = referenced = None
+    if c.ref is not None:
+        written, referenced = c.ref.record.bytes_written(), c.ref.total_bytes
+    return SaveInfo(
+        c.save_id or "?", c.step, c.attempt, state, detail, sum(o.size for o in objs.values()), len(objs), mtime,
+        selected=selected, ref=c.ref, bytes_written=written, bytes_referenced=referenced,
+    )
+
+
+def uncommitted_info(sid: str, sa: tuple[int, int], objs: Mapping[str, ObjectInfo], pieces: list[ListedPiece],
+                     now: float, grace_seconds: float, attempts: AttemptView) -> SaveInfo:
+    """The listing row of a save with no commit of its (step, attempt): in
+    progress or partial by the age of its newest write, partial when its writer was replaced."""
+    size = sum(o.size for o in objs.values()) + sum(p.size for p in pieces)
+    what = f"{len(objs)} component(s)" + (f" and {len(pieces)} piece(s)" if pieces else "")
+    newest = max([o.mtime for o in objs.values()] + [p.mtime for p in pieces])
+    state = uncommitted_state(now - newest, grace_seconds)
+    detail = f"{what} written, no commit record; last write {now - newest:.0f}s ago"
+    later = superseded_by(sa[0], sa[1], attempts.effective)
+    if later is not None:
+        # its writer was replaced before this step: it can never be committed
+        state = SaveState.PARTIAL
+        detail = f"abandoned ({describe_superseder(later)}); {detail}"
+    return SaveInfo(sid, sa[0], sa[1], state, detail, size, len(objs), None)
+
+
 class Catalog:
     """Reads and judges one run's commits."""
 
@@ -188,6 +236,10 @@ class Catalog:
         self.auth: RecordAuth = attempts.auth
         self.identity_digest = identity_digest
         self.records = RecordCache()
+        #: a store opened for writing keeps the run's record pack up to date (§4.7.1); readers never write
+        self.writes_pack = False
+        #: commit keys the record pack held when this store last read or wrote it
+        self.packed: set[str] = set()
         #: a local tier of one rank of a multi-rank run (PROTOCOL.md §"Tiers"): only the
         #: components the record's ``ranks`` map gives this rank are checked; None: all
         self.part: int | None = None
@@ -233,7 +285,7 @@ class Catalog:
             data = self.io.get_bounded(key, MAX_COMMIT_RECORD)
         rec = CommitRecord.decode(data, self.io.where(key), run_id=self.io.run_id, step=step, attempt=attempt)
         if seen is not None and seen[0] == len(data):
-            self.records.put(key, seen, rec)
+            self.records.put(key, seen, rec, data)
         return rec
 
     def check_components(
@@ -246,10 +298,12 @@ class Catalog:
         listing per holder), with ``deep`` each piece hashed once per scan.
         With :attr:`part` set, only that rank's components (pieced or not)."""
         mine = part_names(rec, self.part)
-        problems: Problems = check_pieces(
-            self.io, (c for n, c in rec.components.items() if mine is None or n in mine),
-            scan.pieces if scan is not None else None, deep, scan.piece_memo if scan is not None else None,
-        )
+        problems: Problems = []
+        if rec.version >= PIECES_VERSION:  # an older record names no piece (its decoder refuses them)
+            problems = check_pieces(
+                self.io, (c for n, c in rec.components.items() if mine is None or n in mine),
+                scan.pieces if scan is not None else None, deep, scan.piece_memo if scan is not None else None,
+            )
         if mine is not None and not mine:
             problems.append((SkipReason.MISSING_COMPONENT, f"the record gives rank {self.part} no component"))
         for name, comp in sorted(rec.components.items()):
@@ -347,10 +401,36 @@ class Catalog:
                 seen_steps.add(step)
             yield c
 
+    def _refresh_pack(self, scan: Scan) -> None:
+        """A writer's record pack (§4.7.1), written again when at least
+        :data:`~ckptstore.core.record_pack.MIN_NEW_RECORDS` listed records are
+        not in the pack this store last read or wrote: from the bytes this walk
+        read and those the record cache holds under the same listing entry."""
+        assert scan.raw is not None
+        records: dict[str, tuple[ObjectInfo, bytes]] = {}
+        for info in scan.commits.values():
+            got = scan.raw.get(info.key)
+            data = got[1] if got is not None else self.records.data(info.key, (info.size, info.mtime))
+            if data is not None:
+                records[info.key] = (info, data)
+        if sum(k not in self.packed for k in records) >= record_pack.MIN_NEW_RECORDS and record_pack.write_pack(
+            self.io, records
+        ):
+            self.packed = set(records)
+
     def _fetching(self, scan: Scan) -> Iterator[tuple[int, int]]:
         """The scan's commits newest first; before each batch of them, the
         records the cache does not hold are read in one ``get_many``."""
         order = candidate_order(scan.commits)
+        packed: dict[str, bytes] = {}
+        if record_pack.usable(self.io):
+            # the record pack (§4.7.1) only when it can save requests: bytes proven to be the listed records'
+            missing = {info.key: info for sa, info in scan.commits.items() if sa[1] in scan.attempts.records
+                       and self.records.get(info.key, (info.size, info.mtime)) is None}
+            if len(missing) >= record_pack.MIN_NEW_RECORDS:
+                packed = record_pack.read_pack(self.io, missing)
+                self.packed = set(packed)
+            scan.raw = {}
         i = 0
         while i < len(order):
             batch: list[tuple[int, int]] = []
@@ -360,12 +440,22 @@ class Catalog:
                 size += scan.commits[order[i]].size
                 i += 1
             want, sizes = [], []
+            scan.fetched = {}
             for sa in batch:
                 info = scan.commits[sa]
                 if sa[1] in scan.attempts.records and self.records.get(info.key, (info.size, info.mtime)) is None:
+                    if info.key in packed:
+                        scan.fetched[info.key] = packed[info.key]
+                        continue
                     want.append(info.key)
                     sizes.append(info.size)
-            scan.fetched = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD, sizes), strict=True))
+            got = dict(zip(want, self.io.get_many_bounded(want, MAX_COMMIT_RECORD, sizes), strict=True))
+            scan.fetched.update(got)
+            if scan.raw is not None:
+                for sa in batch:
+                    info = scan.commits[sa]
+                    if (data := scan.fetched.get(info.key)) is not None:
+                        scan.raw[info.key] = (info, data)
             yield from batch
         scan.fetched = {}
 
@@ -463,6 +553,24 @@ class Catalog:
             out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{n} component(s) written, no commit record"))
         return out
 
+    def judge_one(
+        self, step: int, attempt: int, listed: ObjectInfo | None, attempts: AttemptView, deep: bool,
+    ) -> tuple[Candidate, dict[str, ObjectInfo]]:
+        """One commit judged as a full walk would judge it, from a listing of
+        its own save prefix (returned: the save's objects by component name),
+        for retention that touches what it deletes (``core.collector.Retention``)."""
+        sid: str | None = None
+        try:
+            sid = self.load_commit(step, attempt, listed, listed.key if listed is not None else None).save_id
+        except (UnsupportedVersion, NotFoundError, CorruptionError):
+            pass  # evaluate says why
+        objs: dict[str, ObjectInfo] = {}
+        if sid is not None:
+            prefix = save_prefix(self.io.run_id, sid)
+            objs = {o.key[len(prefix) :]: o for o in self.io.list(prefix) if is_component_name(o.key[len(prefix) :])}
+        scan = Scan({(step, attempt): listed} if listed is not None else {}, {sid: objs} if sid else {}, attempts)
+        return self.evaluate(step, attempt, scan, deep), objs
+
     def get_save(self, step: int, attempt: int | None = None) -> SaveRef:
         """The commit of ``step`` (the highest attempt, unless given); not verified."""
         if attempt is None:
@@ -493,30 +601,16 @@ class Catalog:
                 latest = c.ref
             if c.save_id:
                 committed_ids.add(c.save_id)
-            objs = scan.save_objects.get(c.save_id or "", {})
-            if c.ref is not None:
-                hashed = deep and (deep_until is None or verified <= deep_until)
-                state, detail = SaveState.COMMITTED, "verified" if hashed else "sizes verified"
-            elif c.problems[0][0] is SkipReason.SUPERSEDED:
-                state, detail = SaveState.SUPERSEDED, c.problems[0][1]
-            elif c.problems[0][0] is SkipReason.UNSUPPORTED_VERSION:
-                state, detail = SaveState.UNSUPPORTED, c.problems[0][1]
-            else:
-                state, detail = SaveState.CORRUPT, "; ".join(d for _, d in c.problems)
+            hashed = deep and (deep_until is None or verified <= deep_until)
             selected = latest is not None and c.ref is not None and c.ref.save_id == latest.save_id
-            written = referenced = None
+            out.append(commit_info(c, scan.save_objects.get(c.save_id or "", {}), hashed,
+                                   scan.commits[(c.step, c.attempt)].mtime, selected))
             if c.ref is not None:
-                written, referenced = c.ref.record.bytes_written(), c.ref.total_bytes
                 named.update(c.ref.record.piece_refs())
-            out.append(
-                SaveInfo(
-                    c.save_id or "?", c.step, c.attempt, state, detail, sum(o.size for o in objs.values()),
-                    len(objs), scan.commits[(c.step, c.attempt)].mtime, selected=selected, ref=c.ref,
-                    bytes_written=written, bytes_referenced=referenced,
-                )
-            )
         if latest is None and (scan.other or scan.stamped):
             raise self.mismatch(scan.other, scan.stamped)
+        if self.writes_pack and scan.raw is not None:
+            self._refresh_pack(scan)
         now = time.time()
         # version 3: pieces no commit names, by the save that wrote them (an uncommitted save may
         # have written nothing else: every byte of its components is in pieces, §9.1)
@@ -530,10 +624,12 @@ class Catalog:
             if h not in scan.save_objects:
                 loose.pop(h, None)
         for sid in sorted(set(scan.save_objects) | set(loose)):
+            if sid in committed_ids:
+                continue
             objs = scan.save_objects.get(sid, {})
             pieces = loose.get(sid, [])
             sa = parse_save_id(sid)
-            if sid in committed_ids or sa is None:
+            if sa is None:
                 continue  # a directory whose name does not parse is not ckptstore's: never listed, never deleted
             size = sum(o.size for o in objs.values()) + sum(p.size for p in pieces)
             what = f"{len(objs)} component(s)" + (f" and {len(pieces)} piece(s)" if pieces else "")
@@ -555,14 +651,6 @@ class Catalog:
                 )
                 out.append(SaveInfo(sid, sa[0], sa[1], SaveState.CORRUPT, detail, size, len(objs), None))
                 continue
-            newest = max([o.mtime for o in objs.values()] + [p.mtime for p in pieces])
-            state = uncommitted_state(now - newest, grace_seconds)
-            detail = f"{what} written, no commit record; last write {now - newest:.0f}s ago"
-            later = superseded_by(sa[0], sa[1], scan.attempts.effective)
-            if later is not None:
-                # its writer was replaced before this step: it can never be committed
-                state = SaveState.PARTIAL
-                detail = f"abandoned ({describe_superseder(later)}); {detail}"
-            out.append(SaveInfo(sid, sa[0], sa[1], state, detail, size, len(objs), None))
+            out.append(uncommitted_info(sid, sa, objs, pieces, now, grace_seconds, scan.attempts))
         out.sort(key=lambda i: (i.step, i.attempt), reverse=True)
         return out

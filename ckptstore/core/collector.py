@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
+from ..backends.base import ObjectInfo
 from ..errors import CorruptionError, LimitReachedError, NotFoundError
-from ..protocol import component_key, run_prefix
+from ..protocol import component_key, is_component_name, run_prefix, save_prefix
 from ..protocol.gcplan import plan_gc
 from ..protocol.pieces import ListedPiece, plan_sweep
 from ..protocol.records import IntentRecord
 from ..protocol.selection import SaveInfo, SaveState
-from .catalog import Catalog, Scan
+from .catalog import Catalog, Scan, commit_info, uncommitted_info
+from .commit_names import CommitKeys
+from .fencing import AttemptView
 from .pieces import IntentCache, PieceTiming, list_intents
 
 #: Rounds of one piece sweep at most (each lists the save intents again, §9.5).
@@ -60,6 +64,8 @@ class GcReport:
     intent_bytes_read: int = 0
     #: rounds of the piece sweep (each lists the intents)
     sweep_rounds: int = 0
+    #: ``gc(incremental=True)`` judged only what is new and what it deletes (§4.5.1); False: a full gc ran
+    incremental: bool = False
 
 
 def collect(
@@ -71,9 +77,14 @@ def collect(
     dry_run: bool,
     deep: bool,
     timing: PieceTiming | None = None,
+    retention: Retention | None = None,
 ) -> GcReport:
+    """A full gc (§4.5): one listing of the run, every commit judged.
+    ``retention``: remember what it judged and left there (its next
+    :meth:`Retention.run` starts from it)."""
     io = catalog.io
     timing = timing or PieceTiming()
+    taken_at = time.time()
     scan = catalog.scan(clock=timing.clock)
     if scan.attempts.unreadable:
         # An attempt record we cannot read might fence saves we would call
@@ -110,6 +121,12 @@ def collect(
     )
     if scan.pieces is not None:
         sweep_pieces(catalog, scan, [i for i, _ in plan.delete], report, grace_seconds, timing)
+    if retention is not None:
+        gone = {(i.step, i.attempt) for i, _ in plan.delete}
+        retention.remember(
+            (keep_last, keep_every, grace_seconds, deep), taken_at, scan.attempts, plan.keep,
+            set(scan.commits) - gone if not dry_run and not scan.other else None,
+        )
     return report
 
 
@@ -229,3 +246,196 @@ def implausible_intent(key: str, rec: IntentRecord, now: float, grace_seconds: f
                 f"(more than {INTENT_CLOCK_SKEW:.0f}s ahead); no piece is swept while it exists (fix the writer's "
                 "clock, or remove the intent by hand if no live writer made it)")
     return None
+
+
+#: Commits newer than the remembered view that one incremental retention judges at most (more: a full gc).
+MAX_NEW_COMMITS = 64
+
+
+def attempts_seen(view: AttemptView) -> tuple[object, ...]:
+    """What of an attempt listing decides gc: the numbers of the records (each
+    immutable, read once), the unreadable ones and the junk count."""
+    return (tuple(sorted(view.records)), tuple(sorted(view.unreadable.items())), view.junk)
+
+
+class Retention:
+    """Retention after each save whose cost follows what it deletes, not the
+    history (PROTOCOL.md §4.5.1): a full gc remembers what it judged and left
+    (the kept rows, the commit keys it listed, the attempts); each later call
+    judges only the commits newer than that view (one listing page), the
+    ``keep_last`` newest complete saves again (deep when asked, like a full
+    gc), the view's uncommitted saves (one listing of each), and every save it
+    is about to delete (its record and a listing of its save), then deletes
+    with gc's plan (:func:`~ckptstore.protocol.gcplan.plan_gc`) over the view
+    merged with what it judged. Whenever anything it judged again disagrees
+    with the view, the attempts changed, the run is of version 1 or 3 (pieces:
+    §9.5's sweep needs the whole run), the parameters changed, or the view is
+    older than the grace period, it runs a full gc instead (and remembers that)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self._lock = threading.Lock()
+        self._params: tuple[object, ...] | None = None
+        self._taken_at = 0.0
+        self._attempts: tuple[object, ...] = ()
+        #: the rows a later save can change: uncommitted saves, and commits not yet settled (below)
+        self._infos: dict[str, SaveInfo] = {}
+        #: save IDs of the settled rows: corrupt and unsupported commits (kept as evidence) and commits
+        #: kept by ``keep_every`` behind the ``keep_last`` newest (kept whatever is saved later); never deleted
+        self._settled: set[str] = set()
+        self._commits: set[tuple[int, int]] | None = None
+        #: the rows of ``_infos`` that judge a commit (the others: save folders)
+        self._from_commit: set[str] = set()
+        #: why the last :meth:`run` was a full gc ("" when it was incremental)
+        self.last_full = ""
+
+    def remember(self, params: tuple[object, ...], taken_at: float, attempts: AttemptView, kept: list[SaveInfo],
+                 commits: set[tuple[int, int]] | None) -> None:
+        """What a full gc judged and left (``commits`` None: nothing to start from)."""
+        self._params, self._taken_at, self._attempts = params, taken_at, attempts_seen(attempts)
+        self._settled = set()
+        self._keep(kept, {self._row_key(i) for i in kept if i.created_at is not None}, params)
+        self._commits = commits
+
+    def _keep(self, kept: list[SaveInfo], from_commit: set[str], params: tuple[object, ...]) -> None:
+        """Split the kept rows into the live ones and the settled ones."""
+        keep_last, keep_every = params[0], params[1]
+        assert isinstance(keep_last, int)
+        live: dict[str, SaveInfo] = {}
+        complete = 0
+        for i in sorted(kept, key=lambda i: (i.step, i.attempt), reverse=True):
+            k = self._row_key(i)
+            committed = i.state is SaveState.COMMITTED
+            complete += committed
+            settled = k in from_commit and (
+                i.state in (SaveState.CORRUPT, SaveState.UNSUPPORTED)
+                or (committed and complete > keep_last and isinstance(keep_every, int) and i.step % keep_every == 0)
+            )
+            if settled:
+                self._settled.add(i.save_id)
+            else:
+                live[k] = i
+        self._infos = live
+        self._from_commit = from_commit & set(live)
+
+    @staticmethod
+    def _row_key(i: SaveInfo) -> str:
+        return f"{i.step:012d}-{i.attempt:08d}/{i.save_id}"
+
+    def forget(self) -> None:
+        self._commits = None
+
+    def run(self, *, keep_last: int, keep_every: int | None, grace_seconds: float, dry_run: bool, deep: bool,
+            timing: PieceTiming | None = None) -> GcReport:
+        with self._lock:
+            params = (keep_last, keep_every, grace_seconds, deep)
+            why = self._why_full(params)
+            if not why:
+                got = self._incremental(keep_last, keep_every, grace_seconds, dry_run, deep)
+                if isinstance(got, GcReport):
+                    self.last_full = ""
+                    return got
+                why = got
+            self.last_full = why
+            self.forget()
+            return collect(self.catalog, keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds,
+                           dry_run=dry_run, deep=deep, timing=timing, retention=None if dry_run else self)
+
+    def _why_full(self, params: tuple[object, ...]) -> str:
+        layout = self.catalog.io.layout
+        if self._commits is None:
+            return "no view of the run yet"
+        if not layout.newest_first or layout.pieces:
+            return f"protocol version {layout.version}: every retention is a full gc"
+        if params != self._params:
+            return "other retention parameters than the view's"
+        if time.time() >= self._taken_at + float(params[2]):  # type: ignore[arg-type]
+            return "the view is older than the grace period"
+        return ""
+
+    def _incremental(self, keep_last: int, keep_every: int | None, grace_seconds: float, dry_run: bool,
+                     deep: bool) -> GcReport | str:
+        """The report, or why a full gc must decide instead (nothing was deleted)."""
+        cat, io = self.catalog, self.catalog.io
+        assert self._commits is not None
+        attempts = cat.attempts.load()
+        if attempts_seen(attempts) != self._attempts:
+            return "the run's attempts changed"
+        keys = CommitKeys(io)
+        new: list[tuple[int, int]] = []
+        for sa in keys.newest_first():
+            if sa in self._commits:
+                break
+            new.append(sa)
+            if len(new) > MAX_NEW_COMMITS:
+                return f"more than {MAX_NEW_COMMITS} commits since the view"
+        if keys.other:
+            return "names of another version's commit naming"
+        infos = dict(self._infos)
+        from_commit = set(self._from_commit)
+        objects: dict[str, dict[str, ObjectInfo]] = {}
+        fresh: set[str] = set()
+
+        def judge(sa: tuple[int, int], want_deep: bool) -> SaveInfo:
+            c, objs = cat.judge_one(sa[0], sa[1], None, attempts, want_deep)
+            info = commit_info(c, objs, want_deep, None, False)
+            objects[info.save_id] = objs
+            fresh.add(self._row_key(info))
+            return info
+
+        for sa in new:
+            info = judge(sa, False)
+            for k in [k for k, i in infos.items() if i.save_id == info.save_id]:
+                del infos[k]  # its uncommitted row: committed since
+            infos[self._row_key(info)] = info
+            from_commit.add(self._row_key(info))
+        now = time.time()
+        for k, i in list(infos.items()):
+            if i.ref is None and i.state in (SaveState.IN_PROGRESS, SaveState.PARTIAL):
+                sa = (i.step, i.attempt)
+                prefix = save_prefix(io.run_id, i.save_id)
+                objs = {o.key[len(prefix) :]: o for o in io.list(prefix) if is_component_name(o.key[len(prefix) :])}
+                if sa in new:
+                    return "an uncommitted save of the view has a commit that names another save"
+                if not objs:
+                    del infos[k]  # removed since the view
+                    continue
+                infos[k] = uncommitted_info(i.save_id, sa, objs, [], now, grace_seconds, attempts)
+                objects[i.save_id] = objs
+                fresh.add(k)
+        # the keep_last newest complete saves, judged again as a full gc judges them (deep first)
+        verified = 0
+        for k in sorted(infos, reverse=True):
+            i = infos[k]
+            if verified >= keep_last:
+                break
+            if k not in from_commit or i.state not in (SaveState.COMMITTED, SaveState.CORRUPT):
+                continue
+            again = judge((i.step, i.attempt), deep) if deep or k not in fresh else i
+            if again.state is not i.state or again.save_id != i.save_id:
+                return f"save {i.save_id} is {again.state.value} now, {i.state.value} in the view"
+            infos[k] = again
+            verified += again.state is SaveState.COMMITTED
+        plan = plan_gc(list(infos.values()), keep_last=keep_last, keep_every=keep_every)
+        plan.delete = [(i, r) for i, r in plan.delete if i.save_id not in self._settled]
+        for i, _ in plan.delete:
+            k = self._row_key(i)
+            if k in fresh:
+                continue
+            again = judge((i.step, i.attempt), False)
+            if again.state is not i.state or again.save_id != i.save_id:
+                return f"save {i.save_id} is {again.state.value} now, {i.state.value} in the view"
+        actions: list[GcAction] = []
+        for info, reason in plan.delete:
+            if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
+                actions.append(GcAction(cat.commit_key(info.step, info.attempt), reason))
+            for name in sorted(objects.get(info.save_id, {})):
+                actions.append(GcAction(component_key(io.run_id, info.save_id, name), reason))
+        if not dry_run:
+            for act in actions:
+                io.delete(act.key)
+            gone = {(i.step, i.attempt) for i, _ in plan.delete}
+            self._commits = (self._commits | set(new)) - gone
+            self._keep(plan.keep, from_commit, (keep_last, keep_every))
+        return GcReport(dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions,
+                        incremental=True)  # kept: the rows it judged (the settled ones are kept as they were)

@@ -190,6 +190,7 @@ class RankStore:
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         dry_run: bool = False,
         deep: bool = True,
+        incremental: bool = False,
     ) -> GcReport | None:
         """Retention for the whole job: the coordinator runs
         :meth:`CheckpointStore.gc` (every rank's part of every save is in its one
@@ -199,7 +200,8 @@ class RankStore:
         if not self.run.is_coordinator:
             return None
         return self.run.store.gc(
-            keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds, dry_run=dry_run, deep=deep
+            keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds, dry_run=dry_run, deep=deep,
+            incremental=incremental,
         )
 
     def read_resume_point(

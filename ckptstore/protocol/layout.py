@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..errors import InvalidInputError
 
@@ -91,6 +93,36 @@ def is_component_name(name: object) -> bool:
     reserved temporary marker)."""
     if not isinstance(name, str) or not name or len(name) > 512:
         return False
+    return _component_name_ok(name)
+
+
+#: Names parsed once per process for a listing read again (pure functions of the string; issue 32):
+#: each memo holds at most this many, and starts again empty when full.
+PARSE_MEMO = 1 << 15
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _memo(fn: Callable[[_K], _V]) -> Callable[[_K], _V]:
+    """``fn`` (pure, of a hashable argument) with its results kept in a bounded dict."""
+    seen: dict[_K, _V] = {}
+
+    def cached(arg: _K) -> _V:
+        try:
+            return seen[arg]
+        except KeyError:
+            pass
+        value = fn(arg)
+        if len(seen) >= PARSE_MEMO:
+            seen.clear()
+        seen[arg] = value
+        return value
+
+    return cached
+
+
+@_memo
+def _component_name_ok(name: str) -> bool:
     return all(_SEGMENT_RE.fullmatch(seg) and RESERVED_MARK not in seg for seg in name.split("/"))
 
 
@@ -224,7 +256,12 @@ def parse_attempt_name(name: str) -> int | None:
 def parse_save_id(save_id: str) -> tuple[int, int] | None:
     """(step, attempt) of a save ID; None for anything else, another spelling
     of the same numbers included."""
-    m = _SAVE_ID_RE.fullmatch(save_id) if isinstance(save_id, str) else None
+    return _parse_save_id(save_id) if isinstance(save_id, str) else None
+
+
+@_memo
+def _parse_save_id(save_id: str) -> tuple[int, int] | None:
+    m = _SAVE_ID_RE.fullmatch(save_id)
     if m is None:
         return None
     step, attempt = int(m.group(1)), int(m.group(2))
@@ -312,6 +349,9 @@ class Layout:
         """(step, attempt) of a listed key, only if ``key`` is exactly that
         commit's canonical key (a key in a sub-folder of ``commits/``, or any
         other spelling of the same numbers, is None)."""
+        return _commit_of_key((self, run_id, key)) if isinstance(key, str) and isinstance(run_id, str) else None
+
+    def _commit_of_key(self, run_id: str, key: str) -> tuple[int, int] | None:
         prefix = f"{run_id}/{COMMITS_DIR}/"
         sa = self.parse_commit_name(key[len(prefix) :]) if key.startswith(prefix) else None
         return sa if sa is not None and self.commit_key(run_id, *sa) == key else None
@@ -362,3 +402,8 @@ def layout_of(version: int) -> Layout:
             f"protocol version {version!r} is not one this ckptstore writes (1 … {PROTOCOL_VERSION})"
         )
     return layout
+
+
+@_memo
+def _commit_of_key(args: tuple[Layout, str, str]) -> tuple[int, int] | None:
+    return args[0]._commit_of_key(args[1], args[2])

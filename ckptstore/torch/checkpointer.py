@@ -560,7 +560,9 @@ class Checkpointer:
         never stops training: it is warned, recorded and kept in ``retention_errors``."""
         assert self.keep_last is not None
         try:
-            self.store.gc(keep_last=self.keep_last, keep_every=self.keep_every, deep=self.retention_deep)
+            # incremental: the cost follows what is deleted, not the history (PROTOCOL.md §4.5.1)
+            self.store.gc(keep_last=self.keep_last, keep_every=self.keep_every, deep=self.retention_deep,
+                          incremental=True)
         except Exception as exc:  # noqa: BLE001 - the save is committed; retention must not fail it
             msg = f"retention after a save failed: {type(exc).__name__}: {exc}"
             self.retention_errors.append(msg)

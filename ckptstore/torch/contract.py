@@ -123,7 +123,7 @@ class CheckpointerStore(Protocol):
 
     def gc(
         self, *, keep_last: int = ..., keep_every: int | None = ..., grace_seconds: float = ...,
-        dry_run: bool = ..., deep: bool = ...,
+        dry_run: bool = ..., deep: bool = ..., incremental: bool = ...,
     ) -> GcReport | None:
         """Retention (None where another process decides it, e.g. a member rank)."""
         ...

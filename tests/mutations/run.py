@@ -208,9 +208,9 @@ MUTATIONS: list[Mutation] = [
         "local-settle-no-file-fsync",
         "deferred puts (pieces) are fsynced before their rename (PROTOCOL.md §9.4)",
         "ckptstore/backends/local.py",
-        (("                    list(pool.map(self.ops.fsync, open_fds))\n            elif open_fds:\n"
-          "                self.ops.fsync(open_fds[0])\n",
-          "                    pass\n            elif open_fds:\n                pass\n"),),
+        (("                list(pool.map(self.ops.fsync, [h.fd for h in todo]))\n        elif todo:\n"
+          "            self.ops.fsync(todo[0].fd)\n",
+          "                pass\n        elif todo:\n            pass\n"),),
         ("tests/incremental/test_deferred_puts.py::test_a_power_loss_anywhere_leaves_no_torn_object",),
     ),
     Mutation(

@@ -6,14 +6,17 @@ this CPU-only build cannot give: the copy happens in the call, into storages
 the stager caches and reuses, so the call's duration is the blocked time);
 floor: copying every tensor into preallocated buffers. A second row reports
 the time until the save is durable (ckptstore: committed) against a floor of
-copy + raw write+fsync; a third (3c) the first save of a new Checkpointer,
-with nothing prepared and after ``resume()`` allocated its buffers in the
-background, against the same floor measured in those rounds.
+copy + raw write+fsync; a third (3c) the first save of a new Checkpointer on
+a fresh run (whose constructor starts allocating the host buffers in the
+background): right after the constructor, one optimizer step after it, and
+after ``resume()`` and the whole background allocation, against the same
+floor measured in those rounds.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -27,8 +30,9 @@ from ckptstore.torch import Checkpointer
 
 def memory_needed(nbytes: int) -> int:
     """The row's peak: the live state and three copies of it held at once (the
-    floor's buffers, the Checkpointer's host buffers, DCP's stager cache)."""
-    return 4 * nbytes + nbytes // 3 + (256 << 20)
+    floor's buffers, the Checkpointer's host buffers, DCP's stager cache), and
+    the gradients of row 3c's optimizer step."""
+    return 4 * nbytes + 2 * (nbytes // 3) + (256 << 20)
 
 
 def run(cfg: Config) -> list[Row]:
@@ -107,44 +111,67 @@ def run(cfg: Config) -> list[Row]:
             [Measure(names[k], durable[k]) for k in ("ckptstore", "dcp")], {"bytes": n}),
         Row("3c", f"async save {human(n)}: the first save of a Checkpointer, loop blocked", "s",
             Measure("copy into preallocated buffers", first["floor"]), [
-                Measure("first save, nothing prepared (no resume(), no step_end before it)", first["cold"]),
-                Measure("first save after resume() (buffers allocated in the background)", first["prepared"]),
+                Measure("first save right after the constructor (no resume(), no step_end, no step)", first["cold"]),
+                Measure("first save one optimizer step after the constructor (no resume(), no step_end)",
+                        first["step"]),
+                Measure("first save after resume() and the whole background allocation", first["prepared"]),
                 Measure("  the background allocation itself (off the loop)", first["allocation"]),
+                Measure("  the optimizer step (Adam, off the measure)", first["adam"]),
             ], {"bytes": n},
-            ["a fresh Checkpointer on a fresh run each round; after resume() the save waits until the background "
-             "allocation is done (what a few training steps give it), at most 30 s; later saves: row 3"]),
+            ["a fresh Checkpointer on a fresh run each round, its constructor starts the background allocation; "
+             "right after it the save shares that allocation (it allocates from the front what the thread has not "
+             "reached); after resume() the save waits until the allocation is done (what a few training steps give "
+             "it), at most 30 s; later saves: row 3",
+             "fresh memory: glibc may hand the freed buffers of rows 3/3b back without page faults (its mmap "
+             "threshold grows after a free); run with MALLOC_MMAP_THRESHOLD_=1048576 for fresh pages every time, as "
+             "in a new training process",
+             "median of each save's ratio to the floor copy right after it (the same moment of the machine): "
+             + ", ".join(f"{k} {statistics.median(first[k + '/floor']):.2f}x" for k in ("cold", "step", "prepared"))]),
     ]
 
 
 def first_saves(cfg: Config, d: str, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int,
                 src: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor]) -> dict[str, list[float]]:
-    """The first async save's loop-blocked time of a new Checkpointer: without
-    any preparation, and after ``resume()`` started the background allocation;
-    the floor (a copy into preallocated buffers) again in the same rounds."""
-    out: dict[str, list[float]] = {"cold": [], "prepared": [], "allocation": [], "floor": []}
+    """The first async save's loop-blocked time of a new Checkpointer on a
+    fresh run (its constructor starts the background allocation): right after
+    the constructor, one optimizer step after it, and after ``resume()`` and
+    the whole background allocation; the floor (a copy into preallocated
+    buffers) right after each of those saves is committed (``KIND/floor``: the ratio of
+    each save to its own floor)."""
+    out: dict[str, list[float]] = {"cold": [], "step": [], "prepared": [], "allocation": [], "adam": [], "floor": []}
     rounds = max(1, min(cfg.repeat, 3))
+    kinds = ("cold", "step", "prepared")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # the step's gradients (Adam's work does not depend on their values)
     for r in range(rounds):
-        t = time.perf_counter()
-        for k, v in src.items():
-            bufs[k].copy_(v)
-        out["floor"].append(time.perf_counter() - t)
-        for kind in (("cold", "prepared") if r % 2 == 0 else ("prepared", "cold")):
+        for kind in kinds[r % 3:] + kinds[:r % 3]:
+            sync()  # before the constructor: nothing else between it and the save than what the kind says
             st = CheckpointStore.open(os.path.join(d, "store-first"), f"first-{kind}-{r}", identity=IDENTITY)
+            built = time.perf_counter()
             ck = Checkpointer(st, {"model": model, "optimizer": opt}, async_save=True, handle_signals=False)
-            if kind == "prepared":
+            if kind == "step":
                 t = time.perf_counter()
+                opt.step()
+                out["adam"].append(time.perf_counter() - t)
+            if kind == "prepared":
                 assert ck.resume() == 0
-                deadline = t + 30.0
-                while ck.host_buffer_bytes < n and time.perf_counter() < deadline:
+                deadline = built + 30.0
+                while ck.preparing_host_buffers and time.perf_counter() < deadline:
                     time.sleep(0.005)
-                out["allocation"].append(time.perf_counter() - t)
-            sync()
+                out["allocation"].append(time.perf_counter() - built)  # from the constructor, which starts it
             with torch.no_grad():
                 t = time.perf_counter()
                 ck.save(1)
                 out[kind].append(time.perf_counter() - t)
-            ck.close()
+            ck.close()  # waits for the save: nothing in flight during the floor
             st.close()
+            t = time.perf_counter()  # the floor right after each save: about the same moment of a loaded machine
+            for k, v in src.items():
+                bufs[k].copy_(v)
+            out["floor"].append(time.perf_counter() - t)
+            out.setdefault(f"{kind}/floor", []).append(out[kind][-1] / out["floor"][-1])
             del ck
             rm(os.path.join(d, "store-first"))
+    for p in model.parameters():
+        p.grad = None
     return out

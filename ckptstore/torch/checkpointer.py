@@ -282,6 +282,11 @@ class Checkpointer:
         self.model = model or next((o for o in self.objects.values() if hasattr(o, "named_parameters")), None)
         self.max_inflight = max_inflight
         self._start_saving()
+        if self.store.resumed_from is None:
+            # a fresh run: nothing will be restored, the shapes are known now, so
+            # the first save's host buffers are allocated from here on, in the
+            # background (with a resume point: after the restore, by resume())
+            self._prepare_buffers()
         self._owned_store: CheckpointStore | None = None  # built by open(): close() closes the store too
         self._preempted = threading.Event()
         self._old_handlers: dict[int, Any] = {}
@@ -431,11 +436,22 @@ class Checkpointer:
             return 0
         return sum(b.nbytes for b in list(self._queue.idle))
 
+    @property
+    def preparing_host_buffers(self) -> bool:
+        """Whether the background allocation of the first save's host buffers
+        is still under way (False once every buffer it started is allocated, or
+        when none was started)."""
+        return self._queue is not None and self._buffers.preparing
+
     def _prepare_buffers(self) -> None:
         """Async saves: allocate the first save's host buffers in the background,
-        now that the state has its final shapes (after the restore, so its
-        peak memory is not raised by them; again at the first :meth:`step_end`
-        that saves nothing, for the tensors the first step created)."""
+        once the state has its final shapes: at construction on a fresh run (no
+        resume point: nothing will be restored), else after the restore by
+        :meth:`resume` (so the restore's peak memory is not raised by them);
+        again at the first :meth:`step_end` that saves nothing, for the tensors
+        the first step created (an optimizer's moments on a fresh run). Buffers
+        already allocated or being allocated are not allocated again; a save
+        that starts before this finished shares the work (:class:`HostBuffers`)."""
         if self._queue is not None:
             self._buffers.prepare_for(self.objects)
 

@@ -13,6 +13,7 @@ an inventory) and one ``<name>.safetensors`` per entry that holds tensors.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import platform
 import random
 import threading
@@ -211,15 +212,25 @@ class HostBuffers:
     than into fresh memory, and the first touch of fresh pages is slower still.
     :meth:`prepare_for` takes that first allocation off the training loop: the
     buffers of the objects' current tensors are allocated and touched in a
-    background thread, so the first save copies into memory that is ready
-    (a tensor whose buffer is not ready yet is allocated by the save itself,
-    as without it).
+    background thread, so the first save copies into memory that is ready.
+
+    A save that starts before that thread finished shares the work with it
+    instead of duplicating it (issue 32): the thread allocates from the back of
+    the save's order, the save's :meth:`copy` goes from the front; a buffer the
+    thread has not started yet is taken by the copy (allocated there, and then
+    skipped by the thread), one the thread is allocating right now is waited
+    for (one tensor's allocation at most). So a set never holds two buffers of
+    one tensor, and host memory stays bounded by one copy of the state a set.
     """
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, str], torch.Tensor] = {}
         self._pin = torch.cuda.is_available()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        #: buffers a background preparation will allocate, not started yet (a copy may take them)
+        self._queued: set[tuple[str, str]] = set()
+        #: the buffers background preparations are allocating right now (a copy waits for them)
+        self._working: set[tuple[str, str]] = set()
 
     @property
     def nbytes(self) -> int:
@@ -227,26 +238,38 @@ class HostBuffers:
         with self._lock:
             return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
+    @property
+    def preparing(self) -> bool:
+        """Whether a background preparation still has buffers to allocate."""
+        with self._lock:
+            return bool(self._queued or self._working)
+
     def _new(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
 
     def copy(self, entry: str, key: str, t: torch.Tensor) -> torch.Tensor:
+        k = (entry, key)
         with self._lock:
-            buf = self._bufs.get((entry, key))
+            while k in self._working:  # being allocated in the background: wait, never allocate it twice
+                self._lock.wait()
+            self._queued.discard(k)  # taken by this copy: the background thread skips it
+            buf = self._bufs.get(k)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = self._new(t.shape, t.dtype)
             with self._lock:
-                self._bufs[(entry, key)] = buf
+                self._bufs[k] = buf
         buf.copy_(t.detach(), non_blocking=self._pin and t.device.type == "cuda")
         return buf
 
     def prepare_for(self, objects: Mapping[str, Any]) -> threading.Thread | None:
         """Allocate and touch, in a daemon thread, a buffer for every tensor
-        the objects hold now that has none yet (their shapes are read here, on
-        the caller's thread; nothing is copied). Returns the thread (None:
-        nothing to allocate). Objects whose ``state_dict()`` would have side
-        effects (a ``StatefulDataLoader``) and entries that cannot be
-        flattened are left to the first save."""
+        the objects hold now that has none yet (nor one being prepared); their
+        shapes are read here, on the caller's thread; nothing is copied.
+        Returns the thread (None: nothing to allocate). Objects whose
+        ``state_dict()`` would have side effects (a ``StatefulDataLoader``) and
+        entries that cannot be flattened are left to the first save. An
+        allocation that fails (out of memory) ends the preparation quietly:
+        the save allocates what is missing itself, and raises there."""
         want: list[tuple[tuple[str, str], torch.Size, torch.dtype]] = []
         for name, obj in objects.items():
             if is_stateful_dataloader(obj):
@@ -256,21 +279,54 @@ class HostBuffers:
             except (InvalidInputError, RuntimeError, TypeError, ValueError):
                 continue
             with self._lock:
-                want.extend(((name, k), t.shape, t.dtype) for k, t in fl.tensors.items()
-                            if (name, k) not in self._bufs and t.numel())
+                for k, t in fl.tensors.items():
+                    key = (name, k)
+                    if t.numel() and key not in self._bufs and key not in self._queued and key not in self._working:
+                        want.append((key, t.shape, t.dtype))
+                        self._queued.add(key)
         if not want:
             return None
+        want.reverse()  # from the back of the save's order: a save that starts now fills from the front
 
         def allocate() -> None:
             for key, shape, dtype in want:
-                buf = self._new(shape, dtype)
-                buf.zero_()  # touch every page now, not in the first save's copy
                 with self._lock:
-                    self._bufs.setdefault(key, buf)
+                    if key not in self._queued:
+                        continue  # a save's copy took it
+                    self._queued.discard(key)
+                    self._working.add(key)
+                buf = None
+                try:
+                    buf = self._new(shape, dtype)
+                    touch_pages(buf)  # fault every page in now, not in the first save's copy
+                except (MemoryError, RuntimeError):
+                    buf = None
+                finally:
+                    with self._lock:
+                        self._working.discard(key)
+                        if buf is not None:
+                            self._bufs.setdefault(key, buf)
+                        else:  # out of memory: leave the rest to the save
+                            self._queued.difference_update(k for k, _, _ in want)
+                        self._lock.notify_all()
+                if buf is None:
+                    return
 
         th = threading.Thread(target=allocate, name="ckptstore-host-buffers", daemon=True)
         th.start()
         return th
+
+
+def touch_pages(buf: torch.Tensor) -> None:
+    """Write one byte in every page of ``buf`` (contiguous), so the kernel
+    maps them all now: cheaper than zeroing it (the kernel zeroes each page
+    it maps anyway)."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())  # its bytes, whatever the dtype
+    raw[::_PAGE].zero_()
+    raw[-1:].zero_()
+
+
+_PAGE = mmap.PAGESIZE
 
 
 def snapshot(

@@ -99,3 +99,56 @@ def test_on_a_fresh_run_the_first_step_end_prepares_the_optimizer_buffers(tmp_pa
         assert ck.resume() == 2
     assert torch.equal(live.weight, model.weight)
     assert torch.equal(live_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_fresh_run_prepares_the_buffers_at_construction_without_resume(tmp_path: Path) -> None:
+    """Issue 32: no resume(), no step_end: the constructor of a Checkpointer on
+    a fresh run (no resume point) starts the allocation, and the first save
+    copies into those buffers."""
+    objs = _objects()
+    with Checkpointer.open(tmp_path, "run", IDENT, objs, handle_signals=False) as ck:
+        assert _until(lambda: not ck.preparing_host_buffers)
+        assert ck.host_buffer_bytes == _state_bytes(objs)  # every tensor of the state, once
+        ck.save(1)
+        ck.wait()
+        assert ck.host_buffer_bytes >= _state_bytes(objs)
+    live = _objects()
+    with torch.no_grad():
+        live["model"].weight.add_(3.0)  # type: ignore[union-attr, operator]
+    with Checkpointer.open(tmp_path, "run", IDENT, live, handle_signals=False) as ck:
+        # a resume point: nothing is allocated before resume(), so the restore's peak memory is not raised
+        assert not ck.preparing_host_buffers
+        assert ck.host_buffer_bytes == 0
+        assert ck.resume() == 2
+        assert _until(lambda: not ck.preparing_host_buffers)
+        assert ck.host_buffer_bytes == _state_bytes(live)
+    assert torch.equal(live["model"].weight, objs["model"].weight)  # type: ignore[union-attr, arg-type]
+
+
+def test_resume_and_step_end_do_not_allocate_what_construction_is_preparing(tmp_path: Path) -> None:
+    objs = _objects()
+    with Checkpointer.open(tmp_path, "run", IDENT, objs, every_steps=10, handle_signals=False) as ck:
+        assert ck.resume() == 0  # while the constructor's allocation may still run
+        assert not ck.step_end(0)
+        assert _until(lambda: not ck.preparing_host_buffers)
+        assert ck.host_buffer_bytes == _state_bytes(objs)  # one buffer a tensor, not two
+
+
+def test_a_copy_during_the_preparation_shares_the_work_and_never_allocates_twice() -> None:
+    """Whatever the interleaving of the background allocation and a save's copy
+    that starts at once: one buffer a tensor, each holding the live values,
+    the ones later copies reuse."""
+    torch.manual_seed(0)
+    state = {f"t{i}": torch.randn(64, 1024) for i in range(16)}
+    want = sum(t.numel() * t.element_size() for t in state.values())
+    for _ in range(5):
+        bufs = HostBuffers()
+        th = bufs.prepare_for({"x": state})
+        assert th is not None
+        out = {k: bufs.copy("x", k, t) for k, t in state.items()}  # the save, from the front, right away
+        th.join(30)
+        assert not bufs.preparing
+        assert bufs.nbytes == want
+        for k, t in state.items():
+            assert torch.equal(out[k], t)
+            assert bufs.copy("x", k, t).data_ptr() == out[k].data_ptr()

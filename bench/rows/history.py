@@ -34,11 +34,12 @@ from ckptstore.backends.faults import FaultyBackend
 RUN = "hist"
 
 
-def make_history(base: str, h: int) -> str:
-    url = os.path.join(base, f"h{h}")
+def make_history(base: str, h: int, every: int = 1) -> str:
+    """A run of ``h`` committed saves of 64 bytes at steps 0, every, 2*every, ..."""
+    url = os.path.join(base, f"h{h}" if every == 1 else f"h{h}-e{every}")
     st = CheckpointStore.open(url, RUN, identity=IDENTITY)
-    for step in range(h):
-        with st.save(step) as s:
+    for i in range(h):
+        with st.save(i * every) as s:
             s.put("model", b"w" * 64)
     st.close()
     return url

@@ -43,30 +43,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import IDENTITY, Config, Measure, Row, interleave, markdown, scratch
+from bench.rows.history import RUN, make_history, scan_floor
 from ckptstore import CheckpointStore
 
-RUN = "hist"
 KEEP_EVERY = 10
-
-
-def make_history(base: str, h: int, every: int = 1) -> str:
-    """A run of ``h`` committed saves at steps 0, every, 2*every, ..."""
-    url = os.path.join(base, f"h{h}-e{every}")
-    st = CheckpointStore.open(url, RUN, identity=IDENTITY)
-    for i in range(h):
-        with st.save(i * every) as s:
-            s.put("model", b"w" * 64)
-    st.close()
-    return url
-
-
-def _top_floor(url: str) -> Callable[[int], float | None]:
-    def go(r: int) -> None:
-        for sub in ("commits", "saves"):
-            with os.scandir(os.path.join(url, RUN, sub)) as it:
-                for e in it:
-                    e.is_dir()
-    return go
 
 
 def _walk_floor(url: str) -> Callable[[int], float | None]:
@@ -105,7 +85,7 @@ def listing_rows(disk: str, shm: str, h: int, repeat: int) -> list[Row]:
     def warm_call(r: int) -> None:
         warm.list_saves()
 
-    res = interleave({"cold": _cold(url), "warm": warm_call, "top": _top_floor(url), "walk": _walk_floor(url)},
+    res = interleave({"cold": _cold(url), "warm": warm_call, "top": scan_floor(url), "walk": _walk_floor(url)},
                      repeat, warmup=1)
     warm.close()
     shutil.rmtree(src)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import builtins
 import mmap
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 
@@ -27,6 +27,8 @@ from ..retry import RetryPolicy
 from ..util.redact import redact_text
 from . import hashing
 from .hashing import CHUNK, BackgroundHasher, HashingStream, Scatter, as_scatter, is_replayable, rewind
+
+T = TypeVar("T")
 
 
 class RunIO:
@@ -157,13 +159,18 @@ class RunIO:
         """Stream ``data`` to ``key``, hashing it with BLAKE3 as it is written;
         (size, digest) of exactly the bytes handed to the backend. A transient
         failure is retried when the source can be replayed."""
+        stream, _ = self._put_retried(data, lambda st: self.backend.put(key, st))
+        return stream.size, stream.hexdigest()
+
+    def _put_retried(self, data: Any, send: Callable[[HashingStream], T]) -> tuple[HashingStream, T]:
+        """``send`` a fresh :class:`HashingStream` of ``data``; a transient
+        failure is retried (with the run's backoff) when ``data`` can be replayed."""
         replayable = is_replayable(data)
         policy = self.retry
         for i in range(policy.attempts):
             stream = HashingStream(data)
             try:
-                self.backend.put(key, stream)
-                return stream.size, stream.hexdigest()
+                return stream, send(stream)
             except TransientError:
                 if not replayable or i == policy.attempts - 1:
                     raise
@@ -175,19 +182,8 @@ class RunIO:
         """:meth:`put_hashed` through ``Backend.put_deferred``: the object is
         durable at ``key`` only once ``Backend.settle`` of the returned handle
         returned. Retried as :meth:`put_hashed` is."""
-        replayable = is_replayable(data)
-        policy = self.retry
-        for i in range(policy.attempts):
-            stream = HashingStream(data)
-            try:
-                pending = self.backend.put_deferred(key, stream)
-                return stream.size, stream.hexdigest(), pending
-            except TransientError:
-                if not replayable or i == policy.attempts - 1:
-                    raise
-                rewind(data)
-                policy.backoff(i)
-        raise AssertionError("unreachable")
+        stream, pending = self._put_retried(data, lambda st: self.backend.put_deferred(key, st))
+        return stream.size, stream.hexdigest(), pending
 
     # ---------------------------------------------------------------- reads
     def iter_object(self, key: str, size: int, chunk: int = CHUNK) -> Iterator[bytes]:

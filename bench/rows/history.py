@@ -60,7 +60,7 @@ def _discard(fn: Callable[[], Any]) -> Callable[[int], float | None]:
     return go
 
 
-def _fresh_list(url: str) -> Callable[[int], float | None]:
+def fresh_list(url: str) -> Callable[[int], float | None]:
     """list_saves() on a store opened for it (open not timed): every record is read."""
     def go(r: int) -> float:
         st = CheckpointStore.open(url, RUN, mode="r")
@@ -79,7 +79,7 @@ def timed_calls(urls: dict[str, str], call: str, repeat: int) -> dict[str, list[
         fn: Callable[[], Any] = st.latest_complete if call == "latest" else st.list_saves
         contenders[k] = _discard(fn)
         if call == "list":
-            contenders[f"fresh {k}"] = _fresh_list(urls[k])
+            contenders[f"fresh {k}"] = fresh_list(urls[k])
         contenders[f"floor {k}"] = scan_floor(urls[k])
     res = interleave(contenders, repeat, warmup=1)
     for st in stores.values():

@@ -43,7 +43,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import IDENTITY, Config, Measure, Row, interleave, markdown, scratch
-from bench.rows.history import RUN, make_history, scan_floor
+from bench.rows.history import RUN, fresh_list, make_history, scan_floor
 from ckptstore import CheckpointStore
 
 KEEP_EVERY = 10
@@ -62,17 +62,6 @@ def _walk_floor(url: str) -> Callable[[int], float | None]:
     return go
 
 
-def _cold(url: str) -> Callable[[int], float | None]:
-    def go(r: int) -> float:
-        st = CheckpointStore.open(url, RUN, mode="r")
-        t = time.perf_counter()
-        st.list_saves()
-        dt = time.perf_counter() - t
-        st.close()
-        return dt
-    return go
-
-
 def listing_rows(disk: str, shm: str, h: int, repeat: int) -> list[Row]:
     src = make_history(shm, h)
     url = os.path.join(disk, os.path.basename(src))
@@ -85,7 +74,7 @@ def listing_rows(disk: str, shm: str, h: int, repeat: int) -> list[Row]:
     def warm_call(r: int) -> None:
         warm.list_saves()
 
-    res = interleave({"cold": _cold(url), "warm": warm_call, "top": scan_floor(url), "walk": _walk_floor(url)},
+    res = interleave({"cold": fresh_list(url), "warm": warm_call, "top": scan_floor(url), "walk": _walk_floor(url)},
                      repeat, warmup=1)
     warm.close()
     shutil.rmtree(src)

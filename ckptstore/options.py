@@ -61,10 +61,20 @@ class TierOptions:
     #: copy each component to the durable tier as soon as its local write returns, not after
     #: the local commit (durable sooner, at the cost of local-save speed when the two compete)
     early_replication: bool = False
+    #: many ranks: the ranks on other nodes that also hold each rank's local part (``docs/tiers.md``
+    #: "Peer copies"). None: 1 where the run can (protocol version 1 or 2; on a version-3 run they are
+    #: off, with a ``PeerCopiesOffWarning``); 0: off. Capped at the number of other nodes
+    peer_copies: int | None = None
+    #: this process's node for the peer copies (default: torchrun's ``GROUP_RANK``, else the host name);
+    #: ranks of one node never hold each other's copies
+    node: str | None = None
     #: set by ``open_distributed`` on each rank (this rank's number); not for direct use
     rank: int | None = None
     #: set by ``open_distributed`` on the coordinator (what every other rank holds verified); not for direct use
     peers: Mapping[int, Mapping[str, Any]] | None = None
+    #: set by ``open_distributed`` on each rank (the peer copies' transport and the write-back's outcome,
+    #: ``ckptstore.distributed.peer_link.PeerSetup``); not for direct use
+    peer_job: Any = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,15 @@ def check_combination(o: OpenOptions, *, pieces: bool, joined: bool = False) -> 
          "after the local commit (open the job without early_replication)"),
         # early uploads copy whole components as they are written; a version-3 save is pieces the
         # replicator copies (only those the durable tier lacks) after the local commit
+        (t.peer_copies is not None and t.peer_copies < 0, "TierOptions peer_copies must be >= 0"),
+        # a peer copy is a rank's part sent to another node's rank: there is no part without ranks
+        (t.peer_copies and t.rank is None and not joined,
+         "peer_copies is for many ranks (ckptstore.distributed.open_distributed); one process has no peers "
+         "(open without peer_copies)"),
+        # the copies carry whole components; a version-3 part is pieces shared across saves
+        (bool(t.peer_copies) and pieces,
+         "peer_copies is not available on a protocol version 3 run (pieces) yet: open with "
+         "TierOptions(peer_copies=0), or the run at protocol version 2"),
         (t.early_replication and pieces,
          "early_replication is not available on a protocol version 3 run (pieces): "
          "its replication already copies only the pieces the durable tier lacks; open "

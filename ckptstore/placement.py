@@ -61,6 +61,7 @@ class Placement(Protocol):
         expect: Sequence[str],
     ) -> SaveRef: ...
     def learn_published(self, ref: SaveRef) -> None: ...
+    def acknowledged(self, ref: SaveRef) -> None: ...
     def publish_record(self, ctx: WriterContext, data: bytes) -> SaveRef: ...
 
     # selection and reading
@@ -87,4 +88,5 @@ def open_placement(durable: OneTier, tiers: TierOptions | None, retry: RetryPoli
         return durable
     return TierSet(tiers.path, durable, retry, keep=tiers.keep, every=tiers.replicate_every, max_lag=tiers.max_lag,
                    early=tiers.early_replication, rank=tiers.rank, peers=tiers.peers,
-                   exit_flush_seconds=tiers.close_flush_seconds)
+                   exit_flush_seconds=tiers.close_flush_seconds, peer_job=tiers.peer_job,
+                   peer_copies=tiers.peer_copies)

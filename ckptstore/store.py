@@ -249,6 +249,13 @@ class CheckpointStore:
         3; nothing otherwise). Writes the intent naming them now."""
         self._place.learn_published(ref)
 
+    def acknowledged(self, ref: SaveRef) -> None:
+        """``ref`` was acknowledged on every rank of a job (each rank's part is
+        committed): with a local tier and peer copies, this rank's part is
+        copied to its peers in the background (``docs/tiers.md`` "Peer
+        copies"); nothing otherwise. Never blocks."""
+        self._place.acknowledged(ref)
+
     def new_save_id(self, step: int) -> str:
         """A fresh save ID for ``step`` of this store's attempt (a coordinator
         chooses one and hands it to every rank)."""

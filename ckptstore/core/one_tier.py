@@ -100,6 +100,9 @@ class OneTier:
         if self.pieces is not None and ref.run_id == self.io.run_id:
             self.pieces.learn(ref.record)
 
+    def acknowledged(self, ref: SaveRef) -> None:
+        """Every rank of a job committed its part of ``ref``: nothing to do in one tier."""
+
     def publish_record(self, ctx: WriterContext, data: bytes) -> SaveRef:
         raise InvalidInputError("publish_record needs a store opened with a local tier on many ranks "
                                 "(ckptstore.distributed.open_distributed(..., options=OpenOptions(tiers=...)))")

@@ -46,10 +46,10 @@ from ..protocol.auth import AuthPolicy, Keyring
 from ..protocol.records import PieceRef, pieces_digest
 from ..protocol.selection import SaveRef
 from ..store import CheckpointStore
-from ..tiers.parts import local_holdings
 from .agreement import FlagAgreement, PeerLostError
 from .channel import Channel, CoordinatorLostError, RanksFailedError
 from .errors import WorldSizeMismatchError, error_from_json, error_to_json, may_delete_after, rank_error_json
+from .peer_link import setup_peers
 
 #: The points of a distributed save at which an :func:`at_phase` callback runs: on the coordinator,
 #: and (``"member_before_part_commit"``) on a member of a job with a local tier.
@@ -344,6 +344,7 @@ class DistributedSave:
         self._linger("seen", [r for r in members if r not in silent])
         if err is not None:
             raise err
+        self.run.store.acknowledged(ref)  # peer copies of this rank's part start now, in the background
         return ref
 
     def _unacknowledged(self, failed: Mapping[int, str], silent: list[int]) -> CommitUnknownError:
@@ -433,6 +434,7 @@ class DistributedSave:
         if ref is None:  # the coordinator acknowledged a save this rank reported as not committed
             raise CommitUnknownError(f"save of step {self.step} ({self.save_id}): acknowledged by rank 0, but rank "
                                      f"{self.run.rank}'s part is not committed ({ack.get('error')})")
+        self.run.store.acknowledged(ref)  # peer copies of this rank's part start now, in the background
         return ref
 
 
@@ -511,18 +513,21 @@ def open_distributed(
     ch = Channel(group, timeout=timeout, name=P.validate_run_id(run_id))
     try:
         o = options_from_keywords(options, deprecated, "open_distributed")
-        tag = ch.next()
         auth, hello = _rank_choices(ch.rank, o.auth.policy, o.auth.keyring, o.protocol_version)
         # the keys resolved once, here: every store of this rank uses them
         o = replace(o, auth=AuthOptions(auth.policy, auth.keyring))
         args = _OpenArgs(url, run_id, _identity_dict(identity), timeout, save_timeout, storage_options, resume_from,
                          reshard, o)
         hello["identity_digest"] = identity_digest(args.identity)
-        if o.tiers is not None and not ch.is_coordinator and "error" not in hello:
-            # what this rank holds verified in its own local tier, for the coordinator's resume decision
-            held, why = local_holdings(o.tiers.path, args.run_id, ch.rank,
-                                       identity_digest(args.identity), auth)
-            hello["local"] = {"held": held, "reasons": why[:20]}
+        if o.tiers is not None and ch.world_size > 1:
+            # every rank names its node; parts another node holds are written back where they are missing
+            setup = setup_peers(ch, o.tiers, args.run_id, url, storage_options, identity_digest(args.identity),
+                                auth, o.retry)
+            args = replace(args, options=replace(o, tiers=replace(o.tiers, peer_job=setup)))
+            if not ch.is_coordinator and "error" not in hello:
+                # what this rank holds verified in its own local tier, for the coordinator's resume decision
+                hello["local"] = {"held": setup.held, "reasons": setup.reasons[:20]}
+        tag = ch.next()  # after the peers' exchanges: a tag retires the keys of the one two before it
         ch.post(tag, "hello", hello)
         if ch.is_coordinator:
             return _open_as_coordinator(ch, tag, args)

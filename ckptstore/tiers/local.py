@@ -113,16 +113,19 @@ class LocalTier:
     def __init__(
         self, root: str | os.PathLike[str], run_id: str, durable_attempts: AttemptLog, identity_digest: str,
         auth: RecordAuth, retry: RetryPolicy | None, part: int | None = None, durable_url: str = "",
+        folder: str | None = None,
     ) -> None:
         #: the rank whose part this tier holds (a multi-rank job, ``tiers.parts``); None: whole saves
         self.part = part
         # in this order: a link at the rank folder and a tier inside the durable run are refused
-        # before anything is created; then the tier folder is made (no link followed) and judged again
-        existing = open_tier_dir(root, part, create=False)
+        # before anything is created; then the tier folder is made (no link followed) and judged again.
+        # ``folder``: another folder below ``root`` holding rank ``part``'s parts (a peer copy, ``tiers.peers``)
+        existing = open_tier_dir(root, part, create=False, folder=folder)
         if existing is not None:
             existing.close()
-        check_apart(os.path.join(root, rank_folder(part)) if part is not None else root, run_id, durable_url, part is not None)
-        backend = open_tier_dir(root, part)
+        where = os.path.join(root, *(folder or rank_folder(part)).split("/")) if part is not None else root
+        check_apart(where, run_id, durable_url, part is not None)
+        backend = open_tier_dir(root, part, folder=folder)
         assert backend is not None
         self.backend = backend
         self.root = Path(backend.root)

@@ -80,19 +80,21 @@ def part_record(rec: CommitRecord, rank: int | None) -> CommitRecord:
 
 
 def local_holdings(local_tier: str | os.PathLike[str], run_id: str, rank: int, identity_digest: str,
-                   auth: RecordAuth, limit: int = MAX_HOLDINGS) -> tuple[list[dict[str, Any]], list[str]]:
+                   auth: RecordAuth, limit: int = MAX_HOLDINGS, *, folder: str | None = None
+                   ) -> tuple[list[dict[str, Any]], list[str]]:
     """The newest (at most ``limit``) commits of ``run_id`` in rank ``rank``'s
     local tier (``<local_tier>/rank-<r>``, opened without following links)
     whose part for ``rank`` verifies (sizes and BLAKE3), as
     ``{"step", "attempt", "save_id", "manifest_digest"}``, and the reasons the
     others looked at did not. Reads only the local directory; never raises for
     a bad or missing local tier (an empty answer: a link at the rank folder or
-    at the run's folder holds nothing)."""
+    at the run's folder holds nothing). ``folder``: another folder below
+    ``local_tier`` holding rank ``rank``'s parts (a peer copy, ``tiers.peers``)."""
     held: list[dict[str, Any]] = []
     reasons: list[str] = []
-    path = rank_root(local_tier, rank)
+    path = Path(local_tier, *folder.split("/")) if folder else rank_root(local_tier, rank)
     try:
-        backend = open_tier_dir(local_tier, rank, create=False)
+        backend = open_tier_dir(local_tier, rank, create=False, folder=folder)
         if backend is not None:
             check_run_folder(backend, run_id)
     except CkptStoreError as exc:

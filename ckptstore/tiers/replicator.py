@@ -42,6 +42,27 @@ from .durable_intent import DurableIntent
 
 
 @dataclass(frozen=True)
+class PeerStatus:
+    """One copy pair as this rank sees it: ``role`` "sends-to" (this rank's
+    part goes to ``peer``) or "receives-from" (this rank holds ``peer``'s part)."""
+
+    peer: int
+    role: str
+    last_step: int | None
+    copies: int
+    bytes: int
+    skipped: int
+    failures: int
+    last_error: str | None
+    stopped: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peer": self.peer, "role": self.role, "last_step": self.last_step, "copies": self.copies,
+                "bytes": self.bytes, "skipped": self.skipped, "failures": self.failures,
+                "last_error": self.last_error, "stopped": self.stopped}
+
+
+@dataclass(frozen=True)
 class ReplicationStatus:
     """Where replication stands: ``pending`` the steps committed locally and
     not yet durable (oldest first), ``lag`` their number; the newest durable
@@ -59,6 +80,10 @@ class ReplicationStatus:
     failures: int
     last_error: str | None
     fenced: bool
+    #: many ranks: this rank's peer copy pairs (``docs/tiers.md`` "Peer copies")
+    peers: tuple[PeerStatus, ...] = ()
+    #: many ranks: "on", "stopped: <why>", or why they are off; None for one process
+    peer_copies: str | None = None
 
     @property
     def lag(self) -> int:
@@ -78,6 +103,7 @@ class ReplicationStatus:
             "durable_age_seconds": None if age is None else round(age, 3), "replicated": self.replicated,
             "skipped": [[s, r] for s, r in self.skipped[-20:]], "failures": self.failures,
             "last_error": self.last_error, "fenced": self.fenced,
+            "peers": [p.to_json() for p in self.peers], "peer_copies": self.peer_copies,
         }
 
 

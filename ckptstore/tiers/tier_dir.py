@@ -42,6 +42,10 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 FileId = tuple[int, int]
 
 
+#: The folder, inside a rank's folder, that holds the peer copies it received (never a run ID: a dot).
+PEERS = ".peers"
+
+
 def rank_folder(rank: int) -> str:
     """The name of rank ``rank``'s folder below a job's local tier root."""
     if rank < 0:
@@ -49,31 +53,46 @@ def rank_folder(rank: int) -> str:
     return f"rank-{rank}"
 
 
+def peer_folder(holder: int, sender: int) -> str:
+    """The folder (relative to the job's local tier root) where rank
+    ``holder`` keeps its peer copy of rank ``sender``'s parts:
+    ``rank-<holder>/.peers/rank-<sender>``. It lies inside the holder's own
+    rank folder, so it is lost with that node's disk and nothing of it can
+    be mistaken for the holder's own saves (``.peers`` is never a run ID)."""
+    if sender == holder:
+        raise ValueError("a rank holds no peer copy of itself")
+    return f"{rank_folder(holder)}/{PEERS}/{rank_folder(sender)}"
+
+
 def _link_advice(path: str) -> str:
     return (f"remove {path} (or choose another local_tier): the local tier's folders below its root must be "
             "real directories; ckptstore never follows a link there")
 
 
-def open_tier_dir(local_tier: str | os.PathLike[str], rank: int | None, *, create: bool = True
-                  ) -> LocalBackend | None:
+def open_tier_dir(local_tier: str | os.PathLike[str], rank: int | None, *, create: bool = True,
+                  folder: str | None = None) -> LocalBackend | None:
     """The local tier folder of one process (``rank`` None: ``local_tier``
-    itself) or of rank ``rank`` of a job (``<local_tier>/rank-<r>``, resolved
-    from ``local_tier`` without following a link). ``create=False``: None
-    when the folder does not exist (nothing is created). A link or
-    non-directory at the rank folder: :class:`LocalTierRefusedError`."""
+    itself) or of rank ``rank`` of a job (``<local_tier>/rank-<r>``, or the
+    relative ``folder`` given, e.g. a :func:`peer_folder`; resolved from
+    ``local_tier`` without following a link at any of its components).
+    ``create=False``: None when the folder does not exist (nothing is
+    created). A link or non-directory there: :class:`LocalTierRefusedError`."""
     root = os.path.abspath(os.fspath(local_tier))
     if rank is None:
         if not create and not os.path.isdir(root):
             return None
         return LocalBackend(root, create_root=create)
-    folder = os.path.join(root, rank_folder(rank))
+    folder = os.path.join(root, *(folder or rank_folder(rank)).split("/"))
     probe = PosixOps()
     probe.attach(root)
-    if probe.exists(folder) and not probe.is_dir(folder):
-        raise LocalTierRefusedError(f"local tier {folder}: is a symbolic link or not a directory; not opened, "
-                                    f"nothing written through it. {_link_advice(folder)}")
-    if not create and not probe.is_dir(folder):
-        return None
+    try:
+        if probe.exists(folder) and not probe.is_dir(folder):
+            raise NotFollowedError(folder)
+        if not create and not probe.is_dir(folder):
+            return None
+    except (NotFollowedError, NotADirectoryError):  # a link (or a file) at the folder or at a folder above it
+        raise LocalTierRefusedError(f"local tier {folder}: is (or lies below) a symbolic link or not a directory; "
+                                    f"not opened, nothing written through it. {_link_advice(folder)}") from None
     try:
         return LocalBackend(folder, anchor=root, create_root=create)
     except (InvalidInputError, NotFollowedError):  # swapped for a link while it was created

@@ -20,6 +20,7 @@ delegates to (its placement) when opened with ``OpenOptions(tiers=...)`` (PROTOC
 from __future__ import annotations
 
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,13 +44,14 @@ from ..errors import (
     StoreUnavailableError,
     TransientError,
 )
-from ..protocol import AttemptRecord, CommitRecord, ComponentEntry, run_record_key
+from ..protocol import AttemptRecord, CommitRecord, ComponentEntry, component_key, run_record_key
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
 from ..util.shutdown import before_pools_stop
 from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
 from .parts import PartCopier, part_record
+from .peer_copies import PeerCopies, open_peer_folder
 from .replicator import EarlyUploads, ReplicationStatus, Replicator
 
 T = TypeVar("T")
@@ -124,6 +126,10 @@ class _EarlyStaged(StagedSave):
         return entries
 
 
+class PeerCopiesOffWarning(UserWarning):
+    """Peer copies were asked for by default but this run cannot have them (``TierOptions.peer_copies``)."""
+
+
 class NotDurableAtExitWarning(UserWarning):
     """The interpreter exits with local saves the durable tier does not hold yet
     (the store was not closed, and its ``close_flush_seconds`` ran out at exit)."""
@@ -156,7 +162,7 @@ class TierSet:
     def __init__(
         self, root: str | os.PathLike[str], durable: OneTier, retry: RetryPolicy | None, *, keep: int, every: int,
         max_lag: int, early: bool = False, rank: int | None = None, peers: Mapping[int, Mapping[str, Any]] | None = None,
-        exit_flush_seconds: float = 30.0,
+        exit_flush_seconds: float = 30.0, peer_job: Any = None, peer_copies: int | None = None,
     ) -> None:
         #: the durable tier (the one source of truth for identity, attempts and fencing)
         self.durable = durable
@@ -176,8 +182,17 @@ class TierSet:
         self.peers = dict(peers) if peers is not None else None
         #: the newest step this process's local tier could have resumed from (before the all-ranks check)
         self._local_newest: int | None = None
+        #: the job's tier root (rank ``r``'s tier is ``<root>/rank-<r>``; its peer copies below it)
+        self.root = root
         self.local = LocalTier(root, durable_io.run_id, durable_attempts, identity_digest, auth, retry, part=rank,
                                durable_url=durable_io.backend.url)
+        #: many ranks: the peer copies' transport and write-back outcome (``distributed.peer_link.PeerSetup``)
+        self.peer_job = peer_job
+        self.peer_copies_asked = peer_copies
+        #: this rank's copies to and from its peers (None: off, :attr:`peers_off` says why)
+        self.peer_copies: PeerCopies | None = None
+        self.peers_off: str | None = None if rank is None else "not started"
+        self._run_record: bytes | None = None
         self.local.attempts.on_ignored = self._ignored_attempt
         self.local.io.layout_or_none = durable_io.layout  # the durable run record decides the naming
         self.reader = Reader(self.local.catalog)
@@ -212,6 +227,7 @@ class TierSet:
     def prepare(self) -> None:
         """Before the attempt is registered or joined: mirror the run record and attempts."""
         data = self.durable_io.get_bounded(run_record_key(self.durable_io.run_id), MAX_RUN_RECORD)
+        self._run_record = data
         self.local.mirror(data, self.durable_attempts.load())
 
     def resume_point(self, view: AttemptView, deep: bool, memo: set[str] | None, writer_id: str) -> SaveRef | None:
@@ -303,6 +319,11 @@ class TierSet:
                 str(r): {"held_steps": [h.get("step") for h in (rep.get("held") or []) if isinstance(h, Mapping)][:5],
                          "reasons": [str(x)[:300] for x in (rep.get("reasons") or [])][:5]}
                 for r, rep in sorted(self.peers.items())}
+            sources = getattr(self.peer_job, "sources", None) or {}
+            for r, src in sorted(sources.items()):  # where each rank's part came from: its own disk or a peer
+                self.resume_decision["ranks"].setdefault(str(r), {})["source"] = src
+            self.resume_decision["peer_copies"] = self.peers_off or "on"
+            self.resume_decision["newest_held_by_every_rank"] = getattr(self.peer_job, "newest_everywhere", None)
         self.record("resume-tier", self.resume_decision)
         if resumed is not None and resumed.tier == "local":
             self.replicator.submit(resumed, force=True)
@@ -350,7 +371,50 @@ class TierSet:
             copy=PartCopier(self.rank, timing=self.piece_timing, intent=self.durable_intent)
             if self.rank is not None else None,
         )
+        self._start_peer_copies()
         _OPEN.add(self)
+
+    def _start_peer_copies(self) -> None:
+        """Many ranks: start this rank's side of the peer copies (``tiers.peer_copies``),
+        or say why they are off (:attr:`peers_off`, ``replication_status().peer_copies``)."""
+        job = self.peer_job
+        if self.rank is None or self.peer_copies is not None:
+            return
+        if job is None or job.link is None:
+            self.peers_off = getattr(job, "off", None) or "no peer transport (open with open_distributed)"
+            return
+        if self.durable_io.layout.pieces:
+            self.peers_off = "protocol version 3 (pieces): peer copies carry whole components"
+            warnings.warn(
+                f"rank {self.rank}: peer copies are off on this protocol version 3 run (pieces); losing a node's "
+                "disk costs the steps since the newest durable save. Fix: a version-2 run, or "
+                "TierOptions(peer_copies=0) to say so and silence this", PeerCopiesOffWarning, stacklevel=2)
+            return
+        run_id = self.durable_io.run_id
+
+        def read(ref: SaveRef, name: str, entry: ComponentEntry) -> Iterator[bytes]:
+            return self.local.io.verified_chunks(component_key(run_id, ref.save_id, name), entry,
+                                                 f"rank {self.rank}'s local copy of {name!r}")
+
+        self.peer_copies = PeerCopies(job.link, job.receivers, run_id=run_id, read=read, folder=self._peer_folder,
+                                      keep=self.keep, record=lambda k, p: self.record(k, p))
+        self.peers_off = None
+
+    def _peer_folder(self, sender: int) -> LocalTier:
+        """The folder this rank keeps of ``sender``'s parts, its records mirrored from the durable tier."""
+        assert self.rank is not None and self.attempt is not None
+        tier = open_peer_folder(self.root, self.rank, sender, self.durable_io.run_id, self.durable_attempts,
+                                self.local.identity_digest, self.local.auth, self.retry, self.durable_io.backend.url)
+        tier.io.layout_or_none = self.durable_io.layout  # the durable run record decides the naming
+        data = self._run_record or self.durable_io.get_bounded(run_record_key(self.durable_io.run_id), MAX_RUN_RECORD)
+        tier.mirror(data, self.durable_attempts.load())
+        tier.add_attempt(self.attempt)
+        return tier
+
+    def acknowledged(self, ref: SaveRef) -> None:
+        """Every rank committed its part of ``ref`` (many ranks): copy this rank's part to its peers."""
+        if self.peer_copies is not None:
+            self.peer_copies.submit(ref)
 
     def adopt_resume_point(self, ref: SaveRef) -> None:
         """A member rank learnt the job's resume point: the coordinator's tier
@@ -372,7 +436,11 @@ class TierSet:
         newest = max((int(e.payload["step"]) for e in events
                       if e.event in ("save", "replicated", "replication-skipped", "preempted")
                       and isinstance(e.payload.get("step"), int)), default=None)
-        if self._local_newest is not None:  # a newer local step not every rank held (many ranks)
+        if self.peers is not None:  # many ranks: the newest save any rank held a part of (own or a peer's copy)
+            reach = getattr(self.peer_job, "newest_anywhere", None)
+            if isinstance(reach, int):
+                newest = reach if newest is None else max(newest, reach)
+        elif self._local_newest is not None:
             newest = self._local_newest if newest is None else max(newest, self._local_newest)
         if newest is None:
             return 0
@@ -565,10 +633,22 @@ class TierSet:
         return True
 
     def status(self) -> ReplicationStatus | None:
-        return self.replicator.status() if self.replicator is not None else None
+        if self.replicator is None:
+            return None
+        st = self.replicator.status()
+        if self.rank is None:
+            return st
+        pc = self.peer_copies
+        state = self.peers_off or (f"stopped: {pc.stopped}" if pc is not None and pc.stopped else "on")
+        return replace(st, peers=pc.status() if pc is not None else (), peer_copies=state)
 
     def flush(self, timeout: float | None) -> bool:
-        return True if self.replicator is None else self.replicator.flush(timeout)
+        """Wait for the background work: this rank's peer copies (many ranks), then replication."""
+        end = None if timeout is None else time.monotonic() + timeout
+        if self.peer_copies is not None and not self.peer_copies.flush(timeout):
+            return False
+        left = None if end is None else max(0.0, end - time.monotonic())
+        return True if self.replicator is None else self.replicator.flush(left)
 
     def is_durable(self, ref: SaveRef) -> bool:
         """Whether ``ref`` is committed in the durable tier."""
@@ -605,6 +685,8 @@ class TierSet:
     def close(self) -> None:
         """Wait up to ``close_flush_seconds`` for replication, stop it, release the local tier."""
         _OPEN.discard(self)
+        if self.peer_copies is not None:
+            self.peer_copies.close(min(self.exit_flush_seconds, 30.0))
         if self.replicator is not None:
             self.replicator.flush(self.exit_flush_seconds)
             self.replicator.close()

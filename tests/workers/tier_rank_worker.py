@@ -13,7 +13,8 @@ itself when its replicator starts uploading its part of that step, once its
 bytes at every step), ``fault``
 ({"rank", "step", "point", "action"}: that rank runs ``die`` (SIGKILL) or
 raises at the :func:`ckptstore.distributed.coordinator.at_phase` point
-``point`` of that step's save), ``timeout`` (the channel's deadline).
+``point`` of that step's save), ``timeout`` (the channel's deadline), ``nodes`` ({rank: node name}: ``TierOptions.node``, e.g. every
+rank its own node so that peer copies are kept), ``peer_copies`` (``TierOptions.peer_copies``).
 Prints ``RESULT <json>`` lines.
 """
 
@@ -86,7 +87,9 @@ def main() -> None:
             spec["url"], "run", identity=ident, storage_options=spec.get("opts") or None,
             timeout=float(args.get("timeout", 30)), save_timeout=20,
             options=OpenOptions(tiers=TierOptions(args["local"], replicate_every=int(args.get("every", 1)),
-                                                  close_flush_seconds=float(args.get("close_flush", 10))),
+                                                  close_flush_seconds=float(args.get("close_flush", 10)),
+                                                  node=(args.get("nodes") or {}).get(str(rank)),
+                                                  peer_copies=args.get("peer_copies")),
                                 auth=AuthOptions("require", keyring_from_file(args["key_file"]))
                                 if args.get("key_file") else AuthOptions(),
                                 protocol_version=version, pieces=PieceTiming(window=0.2) if version == 3 else PieceTiming()),

@@ -1,0 +1,138 @@
+"""Peer copies with real processes (gloo, world size 2), each rank its own
+"node" (``TierOptions.node``) with its own folder under one job root standing
+for its node's disk: rank 0's part is also kept by rank 1 (in
+``rank-1/.peers/rank-0``) and rank 1's by rank 0. Losing a node is deleting
+its rank folder (its own parts and the peer copies it held)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptstore import CheckpointStore
+from tests.workers.dist_launch import RankResult, run_job
+
+pytest.importorskip("torch.distributed")
+
+WORKER = str(Path(__file__).parents[1] / "workers" / "tier_rank_worker.py")
+NODES = {"0": "node-a", "1": "node-b"}
+
+
+def job(base: Path, **args: Any) -> list[RankResult]:
+    res = run_job(2, str(base / "durable"), "tiers", args={"local": str(base / "local"), "nodes": NODES, **args},
+                  worker=WORKER, timeout=90)
+    for r in res:
+        if not r.killed:
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert r.results.get("open", {}).get("ok"), (r.results, r.stderr[-3000:])
+    return res
+
+
+def resume_tier(base: Path) -> dict[str, Any]:
+    with CheckpointStore.open(str(base / "durable"), "run") as s:
+        return [e for e in s.events() if e["event"] == "resume-tier"][-1]["payload"]
+
+
+def opened(res: list[RankResult]) -> list[tuple[int | None, str | None]]:
+    return [(r.results["open"]["resumed"], r.results["open"]["tier"]) for r in res]
+
+
+def peer_files(base: Path, holder: int, sender: int) -> set[str]:
+    top = base / "local" / f"rank-{holder}" / ".peers" / f"rank-{sender}" / "run" / "saves"
+    return {p.relative_to(top).as_posix() for p in top.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def base_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 1 (durable) and 2, 3 (local tiers and their peer copies only: replicate_every=3)."""
+    base = tmp_path_factory.mktemp("peers")
+    res = job(base, steps=[1, 2, 3], every=3, flush=20)
+    for r in res:
+        assert all(r.results[f"save{s}"]["ok"] for s in (1, 2, 3)), r.results
+        st = r.results["flush"]["status"]
+        assert st["peer_copies"] == "on", st
+        roles = {(p["role"], p["peer"]): p for p in st["peers"]}
+        other = 1 - r.rank
+        assert set(roles) == {("sends-to", other), ("receives-from", other)}, st
+        assert roles[("sends-to", other)]["copies"] == 3 and roles[("receives-from", other)]["copies"] == 3, st
+        assert roles[("sends-to", other)]["failures"] == 0, st
+    with CheckpointStore.open(str(base / "durable"), "run") as s:
+        latest = s.latest_complete()
+        assert latest is not None and latest.step == 1
+    for holder in (0, 1):
+        sender = 1 - holder
+        got = peer_files(base, holder, sender)
+        # the sender's part only, of the newest `keep` (2) saves: steps 2 and 3
+        assert {f.split("/", 1)[1] for f in got} == {f"rank{sender}/model", f"rank{sender}/extra"}, got
+        assert len({f.split("/", 1)[0] for f in got}) == 2, got
+    return base
+
+
+@pytest.fixture
+def restart(base_job: Path, tmp_path: Path) -> Path:
+    shutil.copytree(base_job, tmp_path / "job")
+    return tmp_path / "job"
+
+
+def test_losing_one_node_resumes_from_the_peer_copy_with_no_step_lost(restart: Path) -> None:
+    shutil.rmtree(restart / "local" / "rank-1")  # node b's disk: its own parts and the copies it held
+    res = job(restart, steps=[], flush=20)
+    assert opened(res) == [(3, "local"), (3, "local")]
+    assert all(r.results["read"]["ok"] for r in res)  # rank 1's part, written back, verified, bit for bit
+    d = resume_tier(restart)
+    assert d["tier"] == "local" and d["step"] == 3 and d["steps_lost_with_local_tier"] == 0, d
+    assert d["ranks"]["1"]["source"] == {"step": 3, "from": "peer", "holder": 0, "ok": True}, d
+    assert d["ranks"]["0"]["source"] == {"step": 3, "from": "own"}, d
+    # written back: the replaced node holds its own part again
+    assert (restart / "local" / "rank-1" / "run" / "commits").is_dir()
+
+
+def test_both_nodes_intact_resume_locally_without_any_transfer(restart: Path) -> None:
+    res = job(restart, steps=[], flush=20)
+    assert opened(res) == [(3, "local"), (3, "local")]
+    d = resume_tier(restart)
+    assert d["steps_lost_with_local_tier"] == 0 and all("source" not in v or v["source"] is None
+                                                         for v in d["ranks"].values()), d
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_peer_copy_is_never_used_and_the_job_falls_back_to_durable(restart: Path) -> None:
+    shutil.rmtree(restart / "local" / "rank-1")
+    copies = restart / "local" / "rank-0" / ".peers" / "rank-1" / "run" / "saves"
+    for f in copies.rglob("model"):
+        _flip(f)
+    res = job(restart, steps=[], flush=20)
+    assert opened(res) == [(1, "durable"), (1, "durable")]  # no save is held whole anywhere but durably
+    assert all(r.results["read"]["ok"] for r in res)
+    d = resume_tier(restart)
+    assert d["step"] == 1 and d["steps_lost_with_local_tier"] == 2, d
+
+
+def test_a_truncated_peer_copy_falls_back_to_durable(restart: Path) -> None:
+    shutil.rmtree(restart / "local" / "rank-1")
+    copies = restart / "local" / "rank-0" / ".peers" / "rank-1" / "run" / "saves"
+    for f in copies.rglob("extra"):
+        f.write_bytes(f.read_bytes()[:-7])
+    res = job(restart, steps=[], flush=20)
+    assert opened(res) == [(1, "durable"), (1, "durable")]
+    assert all(r.results["read"]["ok"] for r in res)
+
+
+def test_peer_copies_are_off_on_one_node_and_say_so(tmp_path: Path) -> None:
+    res = run_job(2, str(tmp_path / "durable"), "tiers", args={"local": str(tmp_path / "local"), "steps": [1],
+                                                               "flush": 20, "nodes": {"0": "n", "1": "n"}},
+                  worker=WORKER, timeout=90)
+    for r in res:
+        assert r.returncode == 0, r.stderr[-3000:]
+        st = r.results["flush"]["status"]
+        assert st["peer_copies"] == "every rank is on one node" and st["peers"] == [], json.dumps(st)
+    assert not (tmp_path / "local" / "rank-0" / ".peers").exists()

@@ -54,6 +54,7 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     tiers.durable_intent      the replicator's save intent in the durable tier (version 3)
     tiers.replicator          background replication to the durable tier, in commit order
     tiers.parts               many ranks: rank folders, local holdings, each rank's replication step
+    tiers.peer_copies         many nodes: each rank's part also held by a peer rank, written back at resume
     tiers.tiered              the two tiers joined: save, select, resume, read, gc per tier
     placement                 the interface the facade delegates to; the one choice of placement
     store                     the public facade

@@ -28,18 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends.schemes import backend_from_url
-from ..core.bounded_io import RunIO
-from ..core.record_auth import RecordAuth
+from .. import RecordAuth
 from ..errors import CkptStoreError
 from ..options import TierOptions
 from ..retry import RetryPolicy
-from ..tiers.parts import local_holdings
-from ..tiers.peer_copies import (
+from ..tiers import (
     PeerCopyError,
     RepairPlan,
     assign_receivers,
     copy_pairs,
+    local_holdings,
     node_name,
     peer_holdings,
     plan_repair,
@@ -193,14 +191,7 @@ def _receive_own(setup: PeerSetup, holder: int, plan: RepairPlan, tiers: TierOpt
         frame.drain()
         return {"ok": False, "why": f"rank {holder} sent another save than step {step}'s"}
     try:
-        backend = backend_from_url(url, storage_options=storage_options)
-    except CkptStoreError as exc:
-        frame.drain()
-        return {"ok": False, "why": f"the durable tier cannot be opened: {exc}"[:300]}
-    try:
-        write_back(frame, tiers.path, setup.link.rank, RunIO(backend, run_id, retry), auth, identity_digest, retry)
+        write_back(frame, tiers.path, setup.link.rank, url, storage_options, auth, identity_digest, retry)
     except (CkptStoreError, OSError) as exc:
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"[:300]}
-    finally:
-        backend.close()
     return {"ok": True}

@@ -61,6 +61,7 @@ from typing import Any, Protocol
 
 import blake3
 
+from ..backends.schemes import backend_from_url
 from ..core.binding import read_run_record
 from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, part_names
@@ -639,12 +640,28 @@ def send_held_part(link: PeerLink, dst: int, local_tier: str | os.PathLike[str],
         backend.close()
 
 
-def write_back(frame: Frame, local_tier: str | os.PathLike[str], rank: int, durable: RunIO, auth: RecordAuth,
-               identity_digest: str, retry: RetryPolicy | None) -> SaveRef:
+def write_back(frame: Frame, local_tier: str | os.PathLike[str], rank: int, url: str | os.PathLike[str],
+               storage_options: Mapping[str, Any] | None, auth: RecordAuth, identity_digest: str,
+               retry: RetryPolicy | None) -> SaveRef:
     """Rank ``rank`` writes its own part, received from a holder of its peer
     copy, back into its own folder (``<local_tier>/rank-<r>``): the durable
-    run record and attempt records mirrored there first (never the holder's
-    copies), then :func:`receive_part`. The frame is consumed whole."""
+    run record and attempt records (of the durable store at ``url``) mirrored
+    there first (never the holder's copies), then :func:`receive_part`. The
+    frame is consumed whole, whatever fails."""
+    try:
+        backend = backend_from_url(url, storage_options=storage_options)
+    except BaseException:
+        frame.drain()
+        raise
+    try:
+        return _write_back(frame, local_tier, rank, RunIO(backend, frame.record.run_id, retry), auth,
+                           identity_digest, retry)
+    finally:
+        backend.close()
+
+
+def _write_back(frame: Frame, local_tier: str | os.PathLike[str], rank: int, durable: RunIO, auth: RecordAuth,
+                identity_digest: str, retry: RetryPolicy | None) -> SaveRef:
     try:
         attempts = AttemptLog(durable, auth)
         tier = LocalTier(local_tier, durable.run_id, attempts, identity_digest, auth, retry, part=rank,

@@ -436,12 +436,13 @@ class TierSet:
         newest = max((int(e.payload["step"]) for e in events
                       if e.event in ("save", "replicated", "replication-skipped", "preempted")
                       and isinstance(e.payload.get("step"), int)), default=None)
-        if self.peers is not None:  # many ranks: the newest save any rank held a part of (own or a peer's copy)
-            reach = getattr(self.peer_job, "newest_anywhere", None)
-            if isinstance(reach, int):
-                newest = reach if newest is None else max(newest, reach)
-        elif self._local_newest is not None:
-            newest = self._local_newest if newest is None else max(newest, self._local_newest)
+        # the newest save the job is known to have made: on many ranks with peer copies, the newest any
+        # rank held a verified part of (its own or a peer's copy); else this process's newest local save
+        reach = getattr(self.peer_job, "newest_anywhere", None) if self.peers is not None else None
+        if not isinstance(reach, int):
+            reach = self._local_newest
+        if reach is not None:
+            newest = reach if newest is None else max(newest, reach)
         if newest is None:
             return 0
         return max(0, newest - (resumed.step if resumed is not None else -1))

@@ -395,8 +395,6 @@ ADDON_MAY_IMPORT_PACKAGE = ("tiers", "core")
 ADDON_EXCEPTIONS = {
     # the coordinator runs PROTOCOL.md §9.4's deadline check for every rank's inventory
     ("distributed.coordinator", "core.pieces"),
-    # the coordinator's resume decision reads what each rank's local tier holds
-    ("distributed.coordinator", "tiers.parts"),
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,12 +75,12 @@ def gone(pid: int) -> bool:
 
 def launch(
     out: Path, *, agents: int = 1, share_store: bool = True, faults: list[dict[str, Any]] | None = None,
-    preempt_at: int | None = None, max_restarts: int = 5,
+    preempt_at: int | None = None, max_restarts: int = 5, tiers: dict[str, Any] | None = None,
 ) -> Job:
     """Run one torchrun job (``agents`` agents of 2/agents workers each) to its end, killing as the faults say."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {"out": str(out), "url": str(out.parent / "store"), "steps": STEPS, "faults": faults or [],
-            "preempt_at": preempt_at}
+            "preempt_at": preempt_at, "tiers": tiers}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
@@ -112,6 +113,9 @@ def launch(
                 survivors = {s["rank"]: s["pid"] for s in starts}  # the newest start of each other rank
                 os.kill(e["pid"], signal.SIGKILL)
                 t_kill = time.time()
+                wipe = (faults or [])[i].get("wipe")
+                if wipe:  # that node's disk is lost with it, before torchrun restarts the workers
+                    shutil.rmtree(out / wipe, ignore_errors=True)
                 (out / f"done-{i}").write_text("")
                 kill = {"fault": i, "point": e["point"], "step": e["step"], "rank": e["rank"], "t": t_kill,
                         "survivors": survivors}
@@ -246,3 +250,35 @@ def test_preemption_with_healthy_peers_saves_the_same_step_and_exits_75(
     assert again.rcs == [0], again.explain()
     assert {s["start"] for s in again.of("start")} == {latest.step + 1}
     assert finals(again) == reference, again.explain()
+
+
+@pytest.mark.parametrize("copies", [None, 0], ids=["peer-copies-default", "peer-copies-off"])
+def test_a_node_lost_with_its_disk_costs_no_steps_with_peer_copies(
+    copies: int | None, reference: dict[int, dict[str, str]], tmp_path: Path
+) -> None:
+    """Two agents (two nodes), each with its own local tier, ``replicate_every=3``:
+    rank 1 is killed at step 9 (the save of step 8 is in both local tiers and,
+    by default, in the peer copies; the newest durable save is step 2) and node
+    1's tier is deleted before torchrun restarts the workers. By default rank
+    1's part comes back from rank 0's copy: the job resumes at step 9 from the
+    local tiers, no step lost. With ``peer_copies=0`` every rank reads the
+    durable step 2 and 6 steps are lost. Either way the job ends bit for bit
+    where an uninterrupted job ends."""
+    faults = [{"rank": 1, "point": "step", "step": 9, "settle": True, "wipe": "node-1"}]
+    job = launch(tmp_path / "job", agents=2, share_store=False, faults=faults,
+                 tiers={"every": 3, "peer_copies": copies})
+    assert job.rcs == [0, 0], job.explain()
+    assert len(job.kills) == 1 and job.of("settled") and job.of("settled")[0]["flushed"], job.explain()
+    one_attempt_per_generation(job)
+    resumed = 9 if copies is None else 3
+    assert {s["start"] for s in job.of("start") if s["gen"] > 0} == {resumed}, job.explain()
+    assert finals(job) == reference, job.explain()  # bit for bit, every rank
+    store = CheckpointStore.open(tmp_path / "store", "run", mode="r")
+    tier = [e["payload"] for e in store.events() if e["event"] == "resume-tier"]
+    last = tier[-1]
+    assert last["step"] == resumed - 1 and last["steps_lost_with_local_tier"] == 8 - (resumed - 1), tier
+    if copies is None:
+        assert last["tier"] == "local" and last["peer_copies"] == "on", tier
+        assert last["ranks"]["1"]["source"] == {"step": 8, "from": "peer", "holder": 0, "ok": True}, tier
+    else:
+        assert last["tier"] == "durable" and last["peer_copies"] == "peer_copies=0", tier

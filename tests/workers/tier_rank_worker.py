@@ -14,7 +14,8 @@ bytes at every step), ``fault``
 ({"rank", "step", "point", "action"}: that rank runs ``die`` (SIGKILL) or
 raises at the :func:`ckptstore.distributed.coordinator.at_phase` point
 ``point`` of that step's save), ``timeout`` (the channel's deadline), ``nodes`` ({rank: node name}: ``TierOptions.node``, e.g. every
-rank its own node so that peer copies are kept), ``peer_copies`` (``TierOptions.peer_copies``).
+rank its own node so that peer copies are kept), ``peer_copies`` (``TierOptions.peer_copies``), ``kill_in_copy`` ({"rank", "step"}: that rank
+SIGKILLs itself part way into sending its peer copy of that step, once the save was acknowledged).
 Prints ``RESULT <json>`` lines.
 """
 
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from ckptstore import AuthOptions, OpenOptions, PieceTiming, TierOptions, keyring_from_file
 from ckptstore.distributed import coordinator, open_distributed
-from ckptstore.tiers import parts
+from ckptstore.tiers import parts, peer_copies
 from tests.workers.dist_worker import blob, checkpointer, die, emit, err_json, save
 
 
@@ -80,6 +81,17 @@ def main() -> None:
             upload(local, durable, ref, names, on_component, **kw)
 
         parts.upload_components = killing_upload  # type: ignore[assignment]
+    copy_kill = args.get("kill_in_copy")
+    if copy_kill is not None and int(copy_kill["rank"]) == rank:
+        send = peer_copies.send_part
+
+        def dying_send(link: Any, dst: int, step: int, record: Any, read: Any, names: Any) -> Any:
+            if step == int(copy_kill["step"]) and record is not None:
+                link.send(dst, b"\0" * 32)  # part of a frame's header is out, then the process dies
+                die()
+            return send(link, dst, step, record, read, names)
+
+        peer_copies.send_part = dying_send  # type: ignore[assignment]
     ident = {"data_digest": "d", "code_digest": "c", "world_size": world}
     version = args.get("protocol_version")
     try:
@@ -132,7 +144,7 @@ def main() -> None:
     tag = ch.next()
     ch.post(tag, "done", {})
     if rank == 0:
-        killed = {int(f["rank"]) for f in (kill, fault) if f is not None and f.get("action", "die") == "die"}
+        killed = {int(f["rank"]) for f in (kill, fault, copy_kill) if f is not None and f.get("action", "die") == "die"}
         with contextlib.suppress(Exception):
             ch.gather(tag, "done", ranks=[r for r in range(world) if r not in killed], timeout=60)
     run.close()

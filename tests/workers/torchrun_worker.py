@@ -8,7 +8,11 @@ with its defaults (asynchronous saves, signal handling on), a
 event is appended as one JSON line to ``<out>/events.jsonl`` (start, pause,
 final, exit). Faults come from the test: at a named point the victim writes a
 ``pause`` event and sleeps until the test SIGKILLs it (each fault once: the
-test creates ``<out>/done-<i>`` when it has killed).
+test creates ``<out>/done-<i>`` when it has killed). A fault with ``settle``
+first waits for the saves in flight and the store's background work (the peer
+copies, replication) so the kill lands after the newest save was copied.
+``tiers`` ({"every": K}): two tiers, each node's local tier
+``<out>/node-<GROUP_RANK>`` (the test deletes one to stand for a lost disk).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Subset, TensorDataset
 
+from ckptstore import OpenOptions, TierOptions
 from ckptstore.distributed import coordinator, open_distributed
 from ckptstore.distributed.ranked import RankStore
 from ckptstore.torch import Checkpointer, ResumableLoader
@@ -45,10 +50,17 @@ def event(ev: str, **kw: Any) -> None:
         f.write(line + "\n")
 
 
+SETTLE: list[Any] = []  # (checkpointer, run) once opened: what a settling fault waits for
+
+
 def fault_at(point: str, step: int) -> None:
     """Pause here (until the test's SIGKILL) if a fault not yet done names this point."""
     for i, f in enumerate(SPEC.get("faults", [])):
         if f["rank"] == RANK and f["point"] == point and f["step"] == step and not (OUT / f"done-{i}").exists():
+            if f.get("settle") and SETTLE:
+                ckpt, run = SETTLE
+                ckpt.wait()
+                event("settled", fault=i, flushed=run.store.flush(30))
             event("pause", fault=i, point=point, step=step)
             while True:
                 time.sleep(1)
@@ -96,9 +108,16 @@ def main() -> None:
     g = torch.Generator().manual_seed(7)
     data = TensorDataset(torch.randn(48, 4, generator=g), torch.randn(48, 3, generator=g))
     loader = ResumableLoader(Subset(data, range(RANK, len(data), WORLD)), batch_size=2, seed=100 + RANK)
+    tiers = SPEC.get("tiers")
+    options = None
+    if tiers is not None:
+        node = os.environ.get("GROUP_RANK", "0")
+        options = OpenOptions(tiers=TierOptions(str(OUT / f"node-{node}"), replicate_every=int(tiers["every"]),
+                                                peer_copies=tiers.get("peer_copies")))
     run = open_distributed(SPEC["url"], "run", identity={"code_digest": "c", "data_digest": "d", "world_size": WORLD},
-                           timeout=30.0, save_timeout=60.0)
+                           timeout=30.0, save_timeout=60.0, options=options)
     ckpt = Checkpointer(RankStore(run), {"model": model, "optimizer": opt, "loader": loader}, every_steps=3)
+    SETTLE[:] = [ckpt, run]
     start = ckpt.resume()
     event("start", attempt=run.attempt.number, start=start)
     ddp = DistributedDataParallel(model)

@@ -136,7 +136,11 @@ def test_early_replication_on_a_version_3_run_is_refused_at_open_with_the_fix(
     ({"early_replication": True, "protocol_version": 3}, "early_replication is not available on a protocol version 3"),
     ({"keep": 0}, "must be at least 1"),
     ({"join_attempt": 1}, "local_tier with join_attempt needs the rank's tier"),
-], ids=["ranks-early", "v3-early", "keep-0", "join-no-rank"])
+    ({"peer_copies": 1}, "peer_copies is for many ranks"),
+    ({"peer_copies": -1}, "peer_copies must be >= 0"),
+    ({"rank": 0, "peers": {}, "peer_copies": 1, "protocol_version": 3},
+     "peer_copies is not available on a protocol version 3 run"),
+], ids=["ranks-early", "v3-early", "keep-0", "join-no-rank", "one-process-peers", "peers-negative", "v3-peers"])
 def test_each_refused_combination_names_its_fix_before_anything_is_written(
         backend: Backend, tmp_path: Path, opts: dict[str, Any], message: str) -> None:
     from ckptstore import OpenOptions, TierOptions

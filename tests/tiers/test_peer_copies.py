@@ -159,3 +159,53 @@ def test_a_peer_killed_during_its_copy_costs_one_save_and_the_partial_copy_is_ne
     d = resume_tier(tmp_path)
     assert d["steps_lost_with_local_tier"] == 1 and d["newest_held_by_every_rank"] == 2, d
     assert d["ranks"]["1"]["source"]["from"] == "peer", d
+
+
+def test_under_require_the_written_back_part_carries_the_tagged_record_and_resumes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Authenticated records x peer copies: the copy is the coordinator's tagged
+    record bytes; a lost node's part comes back under ``require`` and resumes."""
+    import os
+    import secrets
+
+    from ckptstore.protocol import CommitRecord
+
+    monkeypatch.delenv("CKPTSTORE_AUTH_KEYS", raising=False)
+    kf = tmp_path / "keys.json"
+    kf.write_text(json.dumps({"active": "k1", "keys": {"k1": secrets.token_hex(32)}}))
+    os.chmod(kf, 0o600)
+    first = job(tmp_path, steps=[1, 2], every=5, flush=20, key_file=str(kf))
+    assert all(r.results["save2"]["ok"] for r in first), [r.results for r in first]
+    commits = tmp_path / "local" / "rank-0" / ".peers" / "rank-1" / "run" / "commits"
+    recs = [CommitRecord.decode(p.read_bytes(), "a peer copy") for p in commits.iterdir() if p.suffix == ".json"]
+    assert {r.step for r in recs} == {1, 2} and all(r.auth is not None and r.auth.key_id == "k1" for r in recs)
+    shutil.rmtree(tmp_path / "local" / "rank-1")
+    res = job(tmp_path, steps=[], flush=20, key_file=str(kf))
+    assert opened(res) == [(2, "local"), (2, "local")]
+    assert all(r.results["read"]["ok"] for r in res)
+
+
+def test_a_version_3_run_has_its_peer_copies_off_with_a_warning_and_resumes_from_durable(tmp_path: Path) -> None:
+    """Version 3 x peer copies (the default): off, said in the status and the
+    resume event; a lost node costs what it cost before (durable)."""
+    res = job(tmp_path, steps=[1, 2], every=5, flush=20, protocol_version=3)
+    for r in res:
+        assert r.results["save2"]["ok"], r.results
+        st = r.results["flush"]["status"]
+        assert st["peer_copies"].startswith("protocol version 3"), st
+        assert "PeerCopiesOffWarning" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "local" / "rank-0" / ".peers").exists()
+    shutil.rmtree(tmp_path / "local" / "rank-1")
+    res = job(tmp_path, steps=[], flush=20, protocol_version=3)
+    assert opened(res) == [(1, "durable"), (1, "durable")]
+    assert all(r.results["read"]["ok"] for r in res)
+
+
+def test_explicit_peer_copies_on_a_version_3_run_are_refused_on_every_rank(tmp_path: Path) -> None:
+    res = run_job(2, str(tmp_path / "durable"), "tiers",
+                  args={"local": str(tmp_path / "local"), "nodes": NODES, "steps": [1], "protocol_version": 3,
+                        "peer_copies": 1}, worker=WORKER, timeout=90)
+    for r in res:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert not r.results["open"]["ok"], r.results
+        assert "peer_copies is not available on a protocol version 3 run" in r.results["open"]["message"]

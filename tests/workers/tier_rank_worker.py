@@ -13,9 +13,11 @@ itself when its replicator starts uploading its part of that step, once its
 bytes at every step), ``fault``
 ({"rank", "step", "point", "action"}: that rank runs ``die`` (SIGKILL) or
 raises at the :func:`ckptstore.distributed.coordinator.at_phase` point
-``point`` of that step's save), ``timeout`` (the channel's deadline), ``nodes`` ({rank: node name}: ``TierOptions.node``, e.g. every
-rank its own node so that peer copies are kept), ``peer_copies`` (``TierOptions.peer_copies``), ``kill_in_copy`` ({"rank", "step"}: that rank
-SIGKILLs itself part way into sending its peer copy of that step, once the save was acknowledged).
+``point`` of that step's save), ``timeout`` (the channel's deadline),
+``nodes`` ({rank: node name}: ``TierOptions.node``, e.g. every rank its own
+node so that peer copies are kept), ``peer_copies`` (``TierOptions.peer_copies``),
+``kill_in_copy`` ({"rank", "step"}: that rank SIGKILLs itself part way into
+sending its peer copy of that step, once the save was acknowledged).
 Prints ``RESULT <json>`` lines.
 """
 

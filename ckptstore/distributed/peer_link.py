@@ -6,7 +6,7 @@ copies"; the storage side is :mod:`ckptstore.tiers.peer_copies`).
   copies alone at open, with the channel's deadline as the group's timeout.
   The job's own process group (NCCL or gloo) is never used by the copies, so
   the background thread never interleaves with the training loop's
-  collectives. Nothing is pickled: frames are bytes (PROTOCOL.md §7.7).
+  collectives. Nothing is pickled: frames are bytes (PROTOCOL.md §4.8 item 8).
 * :func:`setup_peers`, collective, inside :func:`~ckptstore.distributed.open_distributed`
   before the hello: every rank names its node; the copy pairs follow
   (:func:`~ckptstore.tiers.peer_copies.assign_receivers`); when there are any,

@@ -1,5 +1,5 @@
 """Peer copies: each rank's local part of a save also held by ``k`` ranks on
-other nodes (``docs/tiers.md`` "Peer copies", PROTOCOL.md §7.7, THREATS.md §4.16).
+other nodes (``docs/tiers.md`` "Peer copies", PROTOCOL.md §4.8 item 8, THREATS.md §4.16).
 
 This module is the storage and framing side; it imports no torch. The
 transport is a :class:`PeerLink` (two calls: send bytes to a rank, receive

@@ -15,6 +15,7 @@ import pytest
 
 from ckptstore import CheckpointStore
 from tests.workers.dist_launch import RankResult, run_job
+from tests.workers.dist_worker import blob
 
 pytest.importorskip("torch.distributed")
 
@@ -63,8 +64,12 @@ def base_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with CheckpointStore.open(str(base / "durable"), "run") as s:
         latest = s.latest_complete()
         assert latest is not None and latest.step == 1
+    sent = {r.rank: {p["role"]: p["bytes"] for p in r.results["flush"]["status"]["peers"]} for r in res}
     for holder in (0, 1):
         sender = 1 - holder
+        # bytes per save = k (1) x the part: the sender's components of each of its 3 saves
+        part = sum(len(blob(step, sender)) + len(blob(step, sender, 3000)) for step in (1, 2, 3))
+        assert sent[sender]["sends-to"] == sent[holder]["receives-from"] == part, sent
         got = peer_files(base, holder, sender)
         # the sender's part only, of the newest `keep` (2) saves: steps 2 and 3
         assert {f.split("/", 1)[1] for f in got} == {f"rank{sender}/model", f"rank{sender}/extra"}, got

@@ -92,7 +92,7 @@ class PeerSetup:
     source: dict[str, Any] | None = None
     #: the newest step of which every rank's part was held somewhere (own folder or a peer's)
     newest_everywhere: int | None = None
-    #: the newest step of which any rank held any part (the newest save the job is known to have made)
+    #: the newest step of which any rank held any part
     newest_anywhere: int | None = None
     #: the coordinator: every rank's source (rank -> its ``source``)
     sources: dict[int, Any] = field(default_factory=dict)

@@ -412,9 +412,13 @@ class TierSet:
         return tier
 
     def acknowledged(self, ref: SaveRef) -> None:
-        """Every rank committed its part of ``ref`` (many ranks): copy this rank's part to its peers."""
+        """Every rank committed its part of ``ref`` (many ranks): copy this rank's part to its peers; the
+        coordinator queues an ``acknowledged`` ledger entry (sent by the replication thread, never
+        blocking): what ``steps_lost_with_local_tier`` counts from after a node is lost."""
         if self.peer_copies is not None:
             self.peer_copies.submit(ref)
+        if self.rank == 0 and self.replicator is not None:
+            self.replicator.queue_event("acknowledged", {"step": ref.step, "save_id": ref.save_id})
 
     def adopt_resume_point(self, ref: SaveRef) -> None:
         """A member rank learnt the job's resume point: the coordinator's tier
@@ -434,14 +438,14 @@ class TierSet:
         except CkptStoreError:
             return 0
         newest = max((int(e.payload["step"]) for e in events
-                      if e.event in ("save", "replicated", "replication-skipped", "preempted")
+                      if e.event in ("save", "acknowledged", "replicated", "replication-skipped", "preempted")
                       and isinstance(e.payload.get("step"), int)), default=None)
-        # the newest save the job is known to have made: on many ranks with peer copies, the newest any
-        # rank held a verified part of (its own or a peer's copy); else this process's newest local save
-        reach = getattr(self.peer_job, "newest_anywhere", None) if self.peers is not None else None
-        if not isinstance(reach, int):
-            reach = self._local_newest
-        if reach is not None:
+        # the newest save known to have been made: on many ranks, the newest the ledger names (each
+        # acknowledged save, each replication) or whose every part was held somewhere (own folders, peer
+        # copies) — never a rank's newer local commit that was not acknowledged; in one process, also its
+        # newest local save
+        reach = getattr(self.peer_job, "newest_everywhere", None) if self.peers is not None else self._local_newest
+        if isinstance(reach, int):
             newest = reach if newest is None else max(newest, reach)
         if newest is None:
             return 0

@@ -146,7 +146,8 @@ def test_the_newest_save_every_rank_holds_wins_over_an_older_durable_one(tmp_pat
     assert c2.resumed_from is not None and (c2.resumed_from.step, c2.resumed_from.tier) == (2, "local")
     assert c2.resumed_from.save_id == r2.save_id
     d = [e for e in c2.events() if e["event"] == "resume-tier"][-1]["payload"]
-    assert d["steps_lost_with_local_tier"] == 1
+    # step 3 was never acknowledged (its part is missing on rank 1): nothing acknowledged was lost
+    assert d["steps_lost_with_local_tier"] == 0
     c2.close()
     m2.close()
 

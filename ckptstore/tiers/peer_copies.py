@@ -159,29 +159,41 @@ def _chunk_sizes(size: int) -> Iterator[int]:
 
 
 def _exact(source: Iterator[bytes], size: int, failed: list[str], name: str) -> Iterator[bytes]:
-    """``source`` cut into the frame's chunks of exactly ``size`` bytes in all;
-    when it fails or ends short, zeros stand for the rest (recorded in ``failed``:
-    the receiver's digest refuses the component, the frame stays in step)."""
+    """``source`` cut into the frame's chunks (:func:`_chunk_sizes`), exactly
+    ``size`` bytes in all; when it fails, ends short or runs long, zeros stand
+    for the rest (the reason appended to ``failed``: the receiver's digest
+    refuses the component, the frame stays in step). Never holds more than
+    one chunk and one block."""
     buf = bytearray()
     sent = 0
+    why: str | None = None
     try:
         for block in source:
+            if sent + len(buf) + len(block) > size:
+                why = f"{name}: longer than its recorded size"
+                break
             buf += block
-            while len(buf) >= CHUNK and sent + CHUNK <= size:
+            while len(buf) >= CHUNK:
                 yield bytes(buf[:CHUNK])
                 del buf[:CHUNK]
                 sent += CHUNK
-            if sent + len(buf) > size:
-                raise CorruptionError(f"{name}: longer than its recorded size")
     except (CkptStoreError, OSError) as exc:
-        failed.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
-        buf = bytearray()
-    if sent + len(buf) < size and not failed:
-        failed.append(f"{name}: shorter than its recorded size")
-    tail = bytes(buf) + bytes(size - sent - len(buf))
-    for n in _chunk_sizes(len(tail)):
-        yield tail[:n]
-        tail = tail[n:]
+        why = f"{name}: {type(exc).__name__}: {exc}"[:300]
+    if why is None and sent + len(buf) < size:
+        why = f"{name}: shorter than its recorded size"
+    if why is not None:
+        failed.append(why)
+    left = size - sent
+    if buf and why is None:
+        yield bytes(buf)  # the last, short chunk
+        return
+    zeros = bytes(min(CHUNK, left)) if why is not None else b""
+    for n in _chunk_sizes(left):  # a failed component: zeros for the rest (its first chunk may be partly real)
+        if buf:
+            yield bytes(buf[:n]) + bytes(n - len(buf[:n]))
+            buf = bytearray()
+        else:
+            yield zeros[:n]
 
 
 def send_part(link: PeerLink, dst: int, step: int, record: bytes | None,

@@ -25,6 +25,7 @@ def env() -> dict[str, str]:
 
 def forked(end: str, tmp_path: Path, rank: int = 0, probe_env: str = "forked") -> tuple[int, str, str]:
     e = {**env(), "PROBE": probe_env}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     z = zygote(rank, env())
     with open(tmp_path / f"{rank}.out", "wb") as so, open(tmp_path / f"{rank}.err", "wb") as se:
         pid = z.spawn(PROBE, [json.dumps({"end": end})], e, so.fileno(), se.fileno())
@@ -44,6 +45,7 @@ def same_view(out: str) -> list[str]:
     lines = out.splitlines()
     first = lines[0].split(" ")
     first[first.index("hash") + 1] = "H"
+    first[first.index("draws") + 1] = "D"
     first[first.index("env") + 1] = "E"
     return [" ".join(first), *lines[1:]]
 
@@ -70,3 +72,14 @@ def test_ranks_of_one_job_differ_in_hash_seed_like_fresh_processes(tmp_path: Pat
     seeds = {seed(forked("return", tmp_path, rank)[1]) for rank in (0, 1)}
     fixed = os.environ.get("PYTHONHASHSEED", "random") != "random"  # then every process has that seed
     assert len(seeds) == (1 if fixed else 2)
+
+
+def test_children_of_one_zygote_draw_different_random_numbers_like_fresh_processes(tmp_path: Path) -> None:
+    """A fork inherits its parent's generators; the zygote seeds each child afresh
+    (two runs of one trainer would otherwise augment alike by accident)."""
+    def draws(out: str) -> str:
+        first = out.splitlines()[0].split(" ")
+        return first[first.index("draws") + 1]
+
+    got = {draws(forked("return", tmp_path / str(i), 0)[1]) for i in range(3)}
+    assert len(got) == 3, got

@@ -13,11 +13,20 @@ import sys
 import threading
 import time
 
+
+def _draws() -> str:
+    """The first draw of torch's default generator and its seed (each fresh process its own; Python's
+    ``random`` is reseeded at every fork by Python itself)."""
+    import torch
+
+    return f"{torch.rand(1).item():.8f},{torch.initial_seed()}"
+
+
 spec = json.loads(sys.argv[1])
 here = os.path.dirname(os.path.abspath(__file__))
 print("argv0", os.path.basename(sys.argv[0]), "path0", sys.path[0] == here, "cwd", os.getcwd(),
       "env", os.environ.get("PROBE"), "name", __name__, "stdin", repr(sys.stdin.read()), "hash", hash("probe"),
-      flush=True)
+      "draws", _draws(), flush=True)
 atexit.register(lambda: print("atexit ran", flush=True))
 
 

@@ -39,6 +39,7 @@ import gc
 import importlib
 import json
 import os
+import random
 import runpy
 import select
 import signal
@@ -106,6 +107,7 @@ def become(req: dict[str, Any], fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
+    _fresh_random_state()
     script = os.path.abspath(req["script"])
     sys.argv = [script, *req["args"]]
     sys.path[0] = os.path.dirname(script)
@@ -116,6 +118,20 @@ def become(req: dict[str, Any], fds: list[int]) -> None:
     except BaseException:  # noqa: BLE001 - printed and exit 1, as the interpreter does
         sys.excepthook(*sys.exc_info())
         _status[0] = 1
+
+
+def _fresh_random_state() -> None:
+    """Seed the random generators afresh, as a new interpreter's start does:
+    a child would otherwise inherit the zygote's state, and every worker would
+    draw the same "random" numbers (torch's default generator seeds
+    DataLoader workers, so two runs would augment alike by accident)."""
+    random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
 
 
 _status = [0]

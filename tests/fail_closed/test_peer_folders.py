@@ -513,3 +513,111 @@ def test_a_record_claiming_a_huge_component_costs_the_receiver_bounded_memory(jo
         tracemalloc.stop()
     assert frame is not None
     assert peak < 4 * 2**20, f"{peak} bytes to receive a header and a record of {len(big)} bytes"
+
+
+# ------------------------------------------------ the copy thread's receiving side
+def receiving(job: Job, wire: Wire, holder: int, senders: tuple[int, ...], keep: int = 5) -> pc.PeerCopies:
+    """Rank ``holder``'s copy thread receiving from ``senders``, its peer folders
+    opened as ``TieredStore`` opens them (records mirrored from the durable tier)."""
+    from ckptstore.backends.local import LocalBackend
+    from ckptstore.core.binding import read_run_record
+    from ckptstore.core.bounded_io import RunIO
+    from ckptstore.core.fencing import AttemptLog
+
+    durable = RunIO(LocalBackend(job.base / "durable"), "run", None)
+    run_record, _ = pc.read_durable_records(durable, 1)
+    read_run_record(durable, None)  # the durable run record decides the naming
+    attempts = AttemptLog(durable, AUTH)
+
+    def folder(sender: int) -> Any:
+        tier = pc.open_peer_folder(job.local, holder, sender, "run", attempts, job.digest, AUTH, None, job.url)
+        tier.io.layout_or_none = durable.layout
+        tier.mirror(run_record, attempts.load())
+        return tier
+
+    def read(ref: Any, name: str, entry: Any) -> Iterator[bytes]:
+        raise AssertionError("this rank sends nothing")
+
+    return pc.PeerCopies(wire.end(holder), {s: (holder,) for s in senders}, run_id="run", read=read, folder=folder,
+                         keep=keep, record=lambda kind, payload: None)
+
+
+def receives(copies: pc.PeerCopies, sender: int) -> Any:
+    return next(p for p in copies.status() if p.role == "receives-from" and p.peer == sender)
+
+
+@pytest.mark.parametrize("where", sorted(LINKED))
+def test_the_copy_thread_writes_nothing_through_a_link_in_its_peer_folder(job: Job, tmp_path: Path,
+                                                                           where: str) -> None:
+    away, link = plant_link(job, tmp_path, where)  # in rank 0's folder, where rank 1's copies go
+    before, own_before = snapshot(away), snapshot(job.own(0) / "run")
+    wire = Wire()
+    copies = receiving(job, wire, 0, (1,))
+    send_frame(wire.end(1), 0, job, 1, 3)
+    copies.submit(job.refs[3])
+    assert copies.flush(10)
+    copies.close()
+    st = receives(copies, 1)
+    assert st.failures == 1 and st.copies == 0 and "symbolic link" in str(st.last_error), st
+    assert copies.stopped is None and wire.left(1, 0) == b""  # the frame drained: the link stays in step
+    assert snapshot(away) == before and snapshot(job.own(0) / "run") == own_before and link.is_symlink()
+
+
+def test_the_copy_thread_keeps_only_the_save_acknowledged_here(job: Job) -> None:
+    """A sender that sends another save's record (here step 2's, when step 3
+    was acknowledged) is refused and its frame drained; the folder is unchanged."""
+    before = snapshot(job.peer(0, 1))
+    wire = Wire()
+    copies = receiving(job, wire, 0, (1,))
+    send_frame(wire.end(1), 0, job, 1, 2)
+    copies.submit(job.refs[3])
+    assert copies.flush(10)
+    copies.close()
+    st = receives(copies, 1)
+    assert st.failures == 1 and "not the save acknowledged here" in str(st.last_error), st
+    assert wire.left(1, 0) == b"" and snapshot(job.peer(0, 1)) == before
+
+
+def test_a_rank_that_is_not_a_pair_gets_nothing_accepted(job: Job) -> None:
+    """Rank 2 (no pair of rank 0's) sends rank 0 a sound-looking frame of rank
+    1's part: never received, no folder made for it, nothing of rank 0's
+    changed; rank 1's own frame is kept as usual."""
+    shutil.rmtree(job.peer(0, 1))
+    own_before = snapshot(job.own(0) / "run")
+    wire = Wire()
+    copies = receiving(job, wire, 0, (1,))
+    send_frame(wire.end(2), 0, job, 1, 3)
+    send_frame(wire.end(1), 0, job, 1, 3)
+    copies.submit(job.refs[3])
+    assert copies.flush(10)
+    copies.close()
+    assert receives(copies, 1).copies == 1
+    assert sorted(p.name for p in (job.own(0) / ".peers").iterdir()) == ["rank-1"]
+    assert wire.left(2, 0) != b""  # rank 2's bytes were never read
+    assert snapshot(job.own(0) / "run") == own_before
+
+
+def test_peer_retention_deletes_nothing_outside_its_folder(job: Job, tmp_path: Path) -> None:
+    """keep=1: the folder of rank 1's copies is trimmed to step 3; step 2's save
+    folder there is a planted link to a user's folder (never followed), and the
+    holder's own saves and the durable store are untouched."""
+    away = tmp_path / "users"
+    shutil.copytree(job.peer(0, 1) / "run" / "saves" / job.refs[2].save_id, away)
+    sid2 = job.peer(0, 1) / "run" / "saves" / job.refs[2].save_id
+    shutil.rmtree(sid2)
+    sid2.symlink_to(away, target_is_directory=True)
+    before, own_before, durable_before = snapshot(away), snapshot(job.own(0)), snapshot(job.base / "durable")
+    wire = Wire()
+    copies = receiving(job, wire, 0, (1,), keep=1)
+    send_frame(wire.end(1), 0, job, 1, 3)
+    copies.submit(job.refs[3])
+    assert copies.flush(10)
+    copies.close()
+    assert receives(copies, 1).copies == 1, copies.status()
+    assert snapshot(away) == before
+    assert {k: v for k, v in snapshot(job.own(0)).items() if not k.startswith(".peers")} == \
+        {k: v for k, v in own_before.items() if not k.startswith(".peers")}
+    assert snapshot(job.base / "durable") == durable_before
+    left = save_files(job.peer(0, 1), job.refs[1].save_id)
+    assert left == [], left  # retention did run there: step 1's copy is gone
+    assert save_files(job.peer(0, 1), job.refs[3].save_id) == ["rank1", "rank1/w"]

@@ -37,6 +37,7 @@ from ..tiers import (
     RepairPlan,
     assign_receivers,
     copy_pairs,
+    durable_attempts,
     local_holdings,
     node_name,
     peer_holdings,
@@ -145,7 +146,13 @@ def _repair(ch: Channel, tag: str, setup: PeerSetup, tiers: TierOptions, run_id:
         owns = {r: list(m.get("own") or []) for r, m in reports.items()}
         peers = {r: {int(s): list(h) for s, h in dict(m.get("peer") or {}).items() if str(s).isdigit()}
                  for r, m in reports.items()}
-        plan, everywhere, anywhere = plan_repair(owns, peers, ch.world_size)
+        try:  # a zombie's save is judged by the durable attempt records, never by a folder's copies
+            attempts = durable_attempts(url, storage_options, run_id, auth, retry)
+        except (CkptStoreError, OSError):
+            attempts = None  # unreadable: nothing is written back (fail closed); the open itself then says why
+        plan, everywhere, anywhere = plan_repair(owns, peers, ch.world_size, attempts if attempts is not None else {})
+        if attempts is None:
+            plan = None
         msg: dict[str, Any] = {"plan": plan.to_json() if plan else None, "everywhere": everywhere,
                                "anywhere": anywhere}
         ch.post(tag, "plan", msg)

@@ -12,6 +12,7 @@ from .peer_copies import (
     RepairPlan,
     assign_receivers,
     copy_pairs,
+    durable_attempts,
     node_name,
     peer_holdings,
     plan_repair,
@@ -24,6 +25,7 @@ from .tiered import NotDurableAtExitWarning, PeerCopiesOffWarning
 
 __all__ = [
     "NotDurableAtExitWarning", "PeerCopiesOffWarning", "PeerCopyError", "PeerLink", "PeerStatus", "RepairPlan",
-    "ReplicationStatus", "assign_receivers", "copy_pairs", "local_holdings", "node_name", "peer_holdings",
+    "ReplicationStatus", "assign_receivers", "copy_pairs", "durable_attempts",
+    "local_holdings", "node_name", "peer_holdings",
     "plan_repair", "receive_frame", "send_held_part", "write_back",
 ]

@@ -43,7 +43,7 @@ from ..core.pieces import PieceTiming, check_pieces, list_pieces
 from ..core.record_auth import RecordAuth
 from ..errors import CkptStoreError, TransientError
 from ..protocol import CommitRecord, save_prefix
-from ..protocol.selection import SaveRef
+from ..protocol.selection import SaveRef, superseded_by
 from .durable_intent import DurableIntent
 from .replicator import commit_durable, upload_components
 from .tier_dir import check_run_folder, open_tier_dir, rank_folder
@@ -106,11 +106,17 @@ def local_holdings(local_tier: str | os.PathLike[str], run_id: str, rank: int, i
     try:
         io = RunIO(backend, run_id, None)
         read_run_record(io, None)  # the local copy of the durable run record: the layout of its names
-        catalog = Catalog(io, AttemptLog(io, auth), identity_digest)
+        log = AttemptLog(io, auth)
+        catalog = Catalog(io, log, identity_digest)
         catalog.part = rank
+        mirrored = log.load().effective  # the folder's copies of the durable attempt records
         for looked, (step, attempt) in enumerate(CommitKeys(io).newest_first()):
             if looked >= MAX_LOOKED_AT or len(held) >= limit:
                 break
+            later = superseded_by(step, attempt, mirrored)
+            if later is not None:  # a zombie's save (the coordinator judges again by the durable records)
+                reasons.append(f"rank {rank}: step {step} attempt {attempt}: superseded by attempt {later.number}")
+                continue
             try:
                 rec = catalog.load_commit(step, attempt)
                 if rec.identity_digest != identity_digest:

@@ -67,10 +67,10 @@ from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, part_names
 from ..core.fencing import AttemptLog
 from ..core.record_auth import RecordAuth
-from ..errors import CkptStoreError, CorruptionError, InvalidInputError
-from ..protocol import CommitRecord, ComponentEntry, attempt_key, component_key, run_record_key
+from ..errors import CkptStoreError, CorruptionError, InvalidInputError, NotFoundError
+from ..protocol import AttemptRecord, CommitRecord, ComponentEntry, attempt_key, component_key, run_record_key
 from ..protocol.records import MAX_COMMIT_RECORD
-from ..protocol.selection import SaveRef
+from ..protocol.selection import SaveRef, superseded_by
 from ..retry import RetryPolicy
 from .local import MAX_RUN_RECORD, LocalTier
 from .parts import local_holdings
@@ -224,7 +224,9 @@ class Frame:
     def __init__(self, link: PeerLink, src: int, step: int, data: bytes, record: CommitRecord,
                  names: list[str]) -> None:
         self.link, self.src, self.step, self.data, self.record, self.names = link, src, step, data, record, names
-        self._left = [list(_chunk_sizes(record.components[n].size)) for n in names]
+        #: bytes still to come per component (cut as :func:`_chunk_sizes` cuts them, one chunk at a time:
+        #: what a record claims costs no memory before anything of it arrived)
+        self._left = [record.components[n].size for n in names]
         self._i = 0
 
     def components(self) -> Iterator[tuple[str, ComponentEntry, Iterator[bytes]]]:
@@ -236,16 +238,18 @@ class Frame:
             self._skip(i)
             self._i = i + 1
 
+    def _next(self, i: int) -> int:
+        n = min(CHUNK, self._left[i])
+        self._left[i] -= n
+        return n
+
     def _chunks(self, i: int) -> Iterator[bytes]:
-        sizes = self._left[i]
-        while sizes:
-            n = sizes.pop(0)
-            yield self.link.recv(self.src, n)
+        while self._left[i] > 0:
+            yield self.link.recv(self.src, self._next(i))
 
     def _skip(self, i: int) -> None:
-        sizes = self._left[i]
-        while sizes:
-            self.link.recv(self.src, sizes.pop(0))
+        while self._left[i] > 0:
+            self.link.recv(self.src, self._next(i))
 
     def drain(self) -> None:
         """Receive (and drop) whatever of the frame was not consumed."""
@@ -366,6 +370,21 @@ def peer_holdings(local_tier: str | os.PathLike[str], run_id: str, holder: int, 
     return out, reasons[:20]
 
 
+def _live(k: tuple[int, int, str, str], attempts: Mapping[int, AttemptRecord] | None) -> bool:
+    return attempts is None or superseded_by(k[0], k[1], attempts) is None
+
+
+def durable_attempts(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None, run_id: str,
+                     auth: RecordAuth, retry: RetryPolicy | None) -> dict[int, AttemptRecord]:
+    """The durable tier's effective attempt records (what :func:`plan_repair` judges zombies by);
+    the durable tier's errors raise (the caller plans nothing then: fail closed)."""
+    backend = backend_from_url(url, storage_options=storage_options)
+    try:
+        return dict(AttemptLog(RunIO(backend, run_id, retry), auth).load().effective)
+    finally:
+        backend.close()
+
+
 def _key(h: Mapping[str, Any]) -> tuple[int, int, str, str] | None:
     step, attempt, sid, digest = h.get("step"), h.get("attempt"), h.get("save_id"), h.get("manifest_digest")
     if isinstance(step, int) and isinstance(attempt, int) and isinstance(sid, str) and isinstance(digest, str):
@@ -397,7 +416,8 @@ class RepairPlan:
 
 
 def plan_repair(own: Mapping[int, Sequence[Mapping[str, Any]]],
-                peers: Mapping[int, Mapping[int, Sequence[Mapping[str, Any]]]], world_size: int
+                peers: Mapping[int, Mapping[int, Sequence[Mapping[str, Any]]]], world_size: int,
+                attempts: Mapping[int, AttemptRecord] | None = None,
                 ) -> tuple[RepairPlan | None, int | None, int | None]:
     """The newest save of which every rank's part is held verified somewhere
     (``own``: rank -> what its own folder holds; ``peers``: holder -> sender ->
@@ -407,12 +427,14 @@ def plan_repair(own: Mapping[int, Sequence[Mapping[str, Any]]],
     which every part is held somewhere (what a resume from the local tiers
     could reach), and the newest step any rank holds any part of (the newest
     save the job is known to have made: what ``steps_lost_with_local_tier``
-    counts from), each None when there is none."""
+    counts from), each None when there is none. ``attempts``: the durable
+    tier's effective attempt records; a save a later attempt superseded there
+    (a zombie's) is neither planned nor counted."""
     have: dict[int, dict[tuple[int, int, str, str], int | None]] = {r: {} for r in range(world_size)}
     for r, held in own.items():
         for h in held:
             k = _key(h)
-            if k is not None and r in have:
+            if k is not None and r in have and _live(k, attempts):
                 have[r][k] = None
     for holder, senders in sorted(peers.items()):
         for s, held in senders.items():
@@ -420,7 +442,7 @@ def plan_repair(own: Mapping[int, Sequence[Mapping[str, Any]]],
                 continue
             for h in held:
                 k = _key(h)
-                if k is not None and k not in have[s]:
+                if k is not None and k not in have[s] and _live(k, attempts):
                     have[s][k] = holder
     candidates: set[tuple[int, int, str, str]] = set()
     for v in have.values():
@@ -672,6 +694,19 @@ def write_back(frame: Frame, local_tier: str | os.PathLike[str], rank: int, url:
         backend.close()
 
 
+def _same_as_durable(durable: RunIO, attempts: AttemptLog, identity_digest: str, rec: CommitRecord) -> None:
+    """A copy of a save the durable tier also holds must be that save's record (same manifest digest): a
+    copy that differs is refused before anything of it is written (a missing durable commit is not a
+    refusal: the save may never have been replicated; an unreadable one is, fail closed)."""
+    try:
+        durable_rec = Catalog(durable, attempts, identity_digest).load_commit(rec.step, rec.attempt)
+    except NotFoundError:
+        return
+    if durable_rec.manifest_digest() != rec.manifest_digest():
+        raise CorruptionError(f"the peer copy of step {rec.step} (attempt {rec.attempt}) differs from the durable "
+                              "commit of the same step and attempt; it is not written back")
+
+
 def _write_back(frame: Frame, local_tier: str | os.PathLike[str], rank: int, durable: RunIO, auth: RecordAuth,
                 identity_digest: str, retry: RetryPolicy | None) -> SaveRef:
     try:
@@ -684,6 +719,7 @@ def _write_back(frame: Frame, local_tier: str | os.PathLike[str], rank: int, dur
     try:
         run_record, _ = read_durable_records(durable, frame.record.attempt)
         read_run_record(durable, None)
+        _same_as_durable(durable, attempts, identity_digest, frame.record)
         tier.io.layout_or_none = durable.layout  # the durable run record decides the naming
         tier.mirror(run_record, attempts.load())
         return receive_part(frame, tier)

@@ -335,8 +335,6 @@ def test_a_peer_copy_with_another_manifest_than_the_owners_own_is_never_planned(
     assert plan.fetch == {1: 0} and everywhere == 2
 
 
-@pytest.mark.xfail(strict=True, reason="write_back does not compare the frame's record with the durable commit "
-                   "of the same step and attempt: a copy with other record bytes is written into the owner's folder")
 def test_a_copy_that_differs_from_the_durable_commit_is_never_written_back(job: Job) -> None:
     rewrite_commit(job.peer(0, 1), 1, created_at=job.refs[1].record.created_at + 1)  # step 1 is durable
     shutil.rmtree(job.own(1))
@@ -365,8 +363,6 @@ def test_a_zombie_attempts_peer_copy_is_never_written_back(job: Job) -> None:
     assert held == []
 
 
-@pytest.mark.xfail(strict=True, reason="local_holdings (and so peer_holdings) never judges a commit by the attempt "
-                   "records, not even those mirrored in the folder: a zombie's copy is reported held and may be planned")
 def test_a_zombie_attempts_peer_copy_is_not_reported_held(job: Job) -> None:
     register_attempt_2(job)
     for n in (job.base / "durable" / "run" / "attempts").iterdir():  # as the copy thread mirrors them
@@ -496,8 +492,6 @@ def test_a_component_longer_than_its_record_says_puts_the_link_out_of_step(job: 
         receive_frame(wire.end(1), 0, 1, "run")
 
 
-@pytest.mark.xfail(strict=True, reason="Frame.__init__ materialises every chunk size of the sizes the sender's record "
-                   "claims before anything is checked: memory and time grow with a claimed size (2**62: a hang)")
 def test_a_record_claiming_a_huge_component_costs_the_receiver_bounded_memory(job: Job) -> None:
     import tracemalloc
 

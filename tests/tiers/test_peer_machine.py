@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 from hypothesis import event, settings
-from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from ckptstore import CheckpointStore, OpenOptions, RecordAuth, TierOptions
@@ -34,6 +34,7 @@ from ckptstore.errors import CkptStoreError
 from ckptstore.identity import identity_digest
 from ckptstore.tiers import (
     PeerCopyError,
+    durable_attempts,
     local_holdings,
     peer_holdings,
     plan_repair,
@@ -136,7 +137,8 @@ class PeerTiers(RuleBasedStateMachine):
         """The open's peer step, both ranks in threads: holdings, plan, write-back, holdings again."""
         own = {r: local_holdings(self.local, "run", r, self.digest, self.auth)[0] for r in (0, 1)}
         peer = {r: peer_holdings(self.local, "run", r, self.digest, self.auth)[0] for r in (0, 1)}
-        plan, everywhere, _ = plan_repair(own, peer, 2)
+        attempts = durable_attempts(self.url, None, "run", self.auth, None)  # as the coordinator judges zombies
+        plan, everywhere, _ = plan_repair(own, peer, 2, attempts)
         wire = Wire()
         errors: list[BaseException] = []
         if plan is not None:

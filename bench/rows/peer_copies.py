@@ -7,7 +7,11 @@ node ``node-r`` (``TierOptions.node``) with a local tier root of its own
 (``<tmp>/node-r``, standing for that node's disk); the durable tier is a
 directory on the same local disk. Each rank holds a part of ``--size / 8``
 bytes (32 MiB at the default 256M, 4 MiB with ``--quick``) in four float32
-tensors, and a small MLP whose steps stand for training.
+tensors, and a small MLP whose steps stand for training: a step is as many
+MLP iterations as make ``EVERY`` steps take about part / :data:`INTERVAL_RATE`
+(1 s at 32 MiB; calibrated at start, the slower rank's count), so that a
+save's copy (about 0.3 s at 32 MiB on 2 cores) is done before the next save,
+as in training, where saves are minutes apart.
 
 Each round runs both modes, the order alternating round by round: *on*
 (``peer_copies=1``: each rank's part also copied to the other node in the
@@ -23,7 +27,10 @@ round is a fresh run:
   acknowledgement by every rank), the slower rank's per save; the background
   copy is not in it, but it runs during the next ``EVERY`` steps, which are
   timed too (**steps between saves**: the copy competes with them for the
-  cores);
+  cores), except after the last save of mode *on*, whose copy is timed alone
+  (**copy landed**: the save's return to both of this rank's pairs reporting
+  it in ``replication_status().peers``, the slower rank's) against the
+  interval;
 * **bytes sent per save**: from ``replication_status().peers`` after
   ``flush()`` (the "sends-to" pair's bytes / copies), against ``k`` x this
   rank's part (k = 1: two nodes);

@@ -36,6 +36,7 @@ ROWS = [
     "coordination",  # 9: the coordinator's cost against world size, dcp.save StoreWriter vs FileSystemWriter
     "list_and_retention",  # 10: list_saves() of 10,000 saves (disk) and 2,000 (SeaweedFS); retention per save vs history
     "fsyncs",  # 11: fsyncs per save by protocol version (issue 32), and the same saves' seconds
+    "peer_copies",  # 12: peer copies (issue 33): loop blocked on/off, bytes sent per save, recovery peer vs durable
 ]
 
 

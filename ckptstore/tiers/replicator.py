@@ -367,16 +367,17 @@ class Replicator:
                 self._outbox.popleft()
             self._cond.notify_all()
 
-    def _send_outbox(self) -> None:
+    def _send_outbox(self) -> bool:
+        """Send the waiting ledger entries, oldest first; False when the durable tier refused one."""
         while True:
             with self._cond:
                 if not self._outbox:
-                    return
+                    return True
                 kind, payload = self._outbox[0]
             try:
                 self._record(kind, payload)
             except Exception:  # noqa: BLE001 - the durable tier is away: try again later
-                return
+                return False
             with self._cond:
                 if self._outbox and self._outbox[0][0] == kind:
                     self._outbox.popleft()
@@ -468,12 +469,13 @@ class Replicator:
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
         while True:
-            self._send_outbox()
+            sent = self._send_outbox()
             with self._cond:
                 while not self._s.queue and not self._stop:
-                    if self._outbox:  # entries wait for the durable tier: look again in a while
-                        self._cond.wait(1.0)
-                        break
+                    if self._outbox:
+                        if not sent:  # the durable tier refused an entry: look again in a while
+                            self._cond.wait(1.0)
+                        break  # (entries queued since the last send go at once)
                     self._cond.wait()
                 if self._stop:
                     return

@@ -54,7 +54,9 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     tiers.durable_intent      the replicator's save intent in the durable tier (version 3)
     tiers.replicator          background replication to the durable tier, in commit order
     tiers.parts               many ranks: rank folders, local holdings, each rank's replication step
-    tiers.peer_copies         many nodes: each rank's part also held by a peer rank, written back at resume
+    tiers.peer_frames         peer copies on the wire: frames, and a received part written verified
+    tiers.peer_repair         peer copies at resume: holdings, the plan (zombies by durable attempts), write-back
+    tiers.peer_copies         many nodes: who holds whom, the background copy thread
     tiers.tiered              the two tiers joined: save, select, resume, read, gc per tier
     placement                 the interface the facade delegates to; the one choice of placement
     store                     the public facade

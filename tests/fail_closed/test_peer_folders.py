@@ -28,6 +28,7 @@ from ckptstore import CheckpointStore, OpenOptions, TierOptions
 from ckptstore.core.record_auth import RecordAuth
 from ckptstore.errors import CkptStoreError, CorruptionError, SupersededError
 from ckptstore.protocol import CommitRecord
+from ckptstore.protocol.records import MAX_COMMIT_RECORD
 from ckptstore.tiers import (
     PeerCopyError,
     local_holdings,
@@ -38,6 +39,8 @@ from ckptstore.tiers import (
     write_back,
 )
 from ckptstore.tiers import peer_copies as pc
+from ckptstore.tiers import peer_frames as pf
+from ckptstore.tiers import peer_repair as pr
 
 IDENT = {"model": "tiny", "world_size": 2}
 AUTH = RecordAuth("off", None)
@@ -286,15 +289,15 @@ def test_more_than_eight_peer_folders_are_not_all_looked_at(job: Job, monkeypatc
     for s in range(2, 14):
         (top / f"rank-{s}").mkdir()
     looked: list[str | None] = []
-    real = pc.local_holdings
+    real = pr.local_holdings
 
     def counted(*args: Any, **kw: Any) -> Any:
         looked.append(kw.get("folder"))
         return real(*args, **kw)
 
-    monkeypatch.setattr(pc, "local_holdings", counted)
+    monkeypatch.setattr(pr, "local_holdings", counted)
     held, why = holdings(job, 0)
-    assert len(looked) == pc.MAX_PEER_FOLDERS == 8, looked
+    assert len(looked) == pr.MAX_PEER_FOLDERS == 8, looked
     assert {s: steps(h) for s, h in held.items()} == {1: [3, 2]}  # rank-1 sorts first: still read
     assert any("more than 8 peer folders" in w for w in why), why
 
@@ -396,7 +399,7 @@ def test_a_damaged_peer_copy_is_not_held_and_nothing_of_it_lands(job: Job, how: 
 
 
 # ------------------------------------------------------------- lying frames
-HEADER = pc._HEADER  # the frame header's layout, as a lying sender would pack it
+HEADER = pf._HEADER  # the frame header's layout, as a lying sender would pack it
 
 
 def send_frame(end: End, dst: int, job: Job, sender: int, step: int, *, record: CommitRecord | None = None,
@@ -408,7 +411,7 @@ def send_frame(end: End, dst: int, job: Job, sender: int, step: int, *, record: 
     def read(name: str, entry: Any) -> Iterator[bytes]:
         yield body
 
-    pc.send_part(end, dst, step, rec.encode(), read, [f"rank{sender}/w"])
+    pf.send_part(end, dst, step, rec.encode(), read, [f"rank{sender}/w"])
 
 
 def raw_frame(job: Job, step: int) -> bytes:
@@ -420,13 +423,13 @@ def raw_frame(job: Job, step: int) -> bytes:
 
 def lies(job: Job) -> dict[str, bytes]:
     rec = job.refs[3].record.encode()
-    magic = pc._MAGIC
+    magic = pf._MAGIC
     other_run = replace(job.refs[3].record, run_id="other-run").encode()
     spaced = rec.replace(b'":', b'": ', 1)
     return {
         "bad magic": HEADER.pack(magic ^ 1, 1, 3, len(rec)) + rec,
         "bad status": HEADER.pack(magic, 7, 3, len(rec)) + rec,
-        "record over the bound": HEADER.pack(magic, 1, 3, pc.MAX_COMMIT_RECORD + 1),  # nothing follows: never waited for
+        "record over the bound": HEADER.pack(magic, 1, 3, MAX_COMMIT_RECORD + 1),  # nothing follows: never waited for
         "record of another run": HEADER.pack(magic, 1, 3, len(other_run)) + other_run,
         "record not json": HEADER.pack(magic, 1, 3, 12) + b"not a record",
         "record not canonical": HEADER.pack(magic, 1, 3, len(spaced)) + spaced,
@@ -464,7 +467,7 @@ def test_a_component_flipped_on_the_wire_never_lands(job: Job) -> None:
 
 
 def test_a_sender_that_stops_mid_component_leaves_nothing(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pc, "CHUNK", 1000)  # rank 1's part of 9,000 bytes is 9 chunks
+    monkeypatch.setattr(pf, "CHUNK", 1000)  # rank 1's part of 9,000 bytes is 9 chunks
     shutil.rmtree(job.own(1))
     whole = raw_frame(job, 3)
     wire = Wire()
@@ -498,7 +501,7 @@ def test_a_record_claiming_a_huge_component_costs_the_receiver_bounded_memory(jo
     rec = job.refs[3].record
     big = replace(rec, components={n: replace(c, size=2**44) for n, c in rec.components.items()}).encode()
     wire = Wire()
-    wire.end(0).send(1, HEADER.pack(pc._MAGIC, 1, 3, len(big)) + big)
+    wire.end(0).send(1, HEADER.pack(pf._MAGIC, 1, 3, len(big)) + big)
     tracemalloc.start()
     try:
         frame = receive_frame(wire.end(1), 0, 1, "run")
@@ -519,7 +522,7 @@ def receiving(job: Job, wire: Wire, holder: int, senders: tuple[int, ...], keep:
     from ckptstore.core.fencing import AttemptLog
 
     durable = RunIO(LocalBackend(job.base / "durable"), "run", None)
-    run_record, _ = pc.read_durable_records(durable, 1)
+    run_record, _ = pr.read_durable_records(durable, 1)
     read_run_record(durable, None)  # the durable run record decides the naming
     attempts = AttemptLog(durable, AUTH)
 

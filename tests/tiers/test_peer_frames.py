@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptstore.errors import CorruptionError
-from ckptstore.tiers import peer_copies as pc
+from ckptstore.tiers import peer_frames as pc
 
 SMALL = 10
 

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -243,6 +244,38 @@ def scratch(base: str, prefix: str) -> Iterator[str]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a job's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(module: str, specs: Sequence[dict[str, Any]], timeout: float, label: str) -> list[dict[str, Any]]:
+    """Run one process per spec (``python -m module SPEC_JSON``, a rank each) to the end; each one's
+    result, the last line of its stdout as JSON. A rank that fails or a job past ``timeout`` raises."""
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("GROUP_RANK", None)  # each rank says its node itself
+    procs = [subprocess.Popen([sys.executable, "-W", "ignore", "-m", module, json.dumps(spec)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for spec in specs]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for r, p in enumerate(procs):
+            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"{label}: rank {r} failed ({p.returncode}):\n{se[-3000:]}")
+            results.append(json.loads(so.strip().splitlines()[-1]))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{label}: the job did not finish within {timeout:.0f} s") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
 
 
 def rm(path: str) -> None:

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -42,15 +40,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from bench.common import ROOT, Config, Measure, Row, fsync_dir, fsync_tree, scratch
+from bench.common import Config, Measure, Row, free_port, fsync_dir, fsync_tree, run_ranks, scratch
 
 STATE_BYTES = 4096
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -124,30 +116,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 def job(world: int, rounds: int, base: str, timeout: float = 170.0) -> list[dict[str, Any]]:
     """Run ``world`` rank processes to the end; every rank's result."""
     with scratch(base, f"bench-row9-{world}-") as d:
-        port = _free_port()
-        env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        procs = []
-        for r in range(world):
-            spec = {"rank": r, "world": world, "port": port, "rounds": rounds, "dir": d}
-            procs.append(subprocess.Popen([sys.executable, "-W", "ignore", "-m", "bench.rows.coordination",
-                                           json.dumps(spec)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + timeout
-        results = []
-        try:
-            for r, p in enumerate(procs):
-                so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                if p.returncode != 0:
-                    raise RuntimeError(f"row 9: rank {r} of {world} failed ({p.returncode}):\n{se[-3000:]}")
-                results.append(json.loads(so.strip().splitlines()[-1]))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"row 9: {world} ranks did not finish within {timeout:.0f} s") from None
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    return results
+        port = free_port()
+        specs = [{"rank": r, "world": world, "port": port, "rounds": rounds, "dir": d} for r in range(world)]
+        return run_ranks("bench.rows.coordination", specs, timeout, f"row 9 ({world} ranks)")
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, list[float]]:

@@ -59,16 +59,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 from datetime import timedelta
 from typing import Any
 
-from bench.common import IDENTITY, ROOT, Config, Measure, MiB, Row, human, scratch
+from bench.common import IDENTITY, Config, Measure, MiB, Row, free_port, human, run_ranks, scratch
 
 #: saves per round and mode (the durable tier holds the first, ``replicate_every=SAVES``)
 SAVES = 4
@@ -82,11 +80,6 @@ MODES = ("on", "off")
 #: interval is minutes
 INTERVAL_RATE = 32 * MiB
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def landed(run: Any, step: int, since: float, timeout: float = 60.0) -> float | None:
@@ -218,32 +211,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 def job(rounds: int, part: int, interval: float, base: str, timeout: float = 900.0) -> list[dict[str, Any]]:
     """Run the two rank processes to the end; each rank's result."""
     with scratch(base, "bench-row12-") as d:
-        port = _free_port()
-        env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("GROUP_RANK", None)
-        procs = []
-        for r in range(2):
-            spec = {"rank": r, "world": 2, "port": port, "rounds": rounds, "part": part,
-                    "interval": interval, "dir": d}
-            procs.append(subprocess.Popen([sys.executable, "-W", "ignore", "-m", "bench.rows.peer_copies",
-                                           json.dumps(spec)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + timeout
-        results = []
-        try:
-            for r, p in enumerate(procs):
-                so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                if p.returncode != 0:
-                    raise RuntimeError(f"row 12: rank {r} failed ({p.returncode}):\n{se[-3000:]}")
-                results.append(json.loads(so.strip().splitlines()[-1]))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"row 12: the job did not finish within {timeout:.0f} s") from None
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    return results
+        port = free_port()
+        specs = [{"rank": r, "world": 2, "port": port, "rounds": rounds, "part": part, "interval": interval,
+                  "dir": d} for r in range(2)]
+        return run_ranks("bench.rows.peer_copies", specs, timeout, "row 12")
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:

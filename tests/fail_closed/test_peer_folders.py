@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,50 +40,10 @@ from ckptstore.tiers import (
 from ckptstore.tiers import peer_copies as pc
 from ckptstore.tiers import peer_frames as pf
 from ckptstore.tiers import peer_repair as pr
+from tests.peer_wire import End, Wire
 
 IDENT = {"model": "tiny", "world_size": 2}
 AUTH = RecordAuth("off", None)
-WAIT = 0.3  # seconds a receive waits for bytes that never come (every one that waits in this file fails)
-
-
-# ------------------------------------------------------------------ the link
-class Wire:
-    """Every rank's end of an in-memory link: one byte stream per (sender,
-    receiver), so a lying sender may send any bytes in any cut. A receive
-    that does not get its bytes in :data:`WAIT` seconds is :class:`PeerCopyError`
-    (as ``GlooPeerLink`` on the group's timeout)."""
-
-    def __init__(self, wait: float = WAIT) -> None:
-        self.wait = wait
-        self.cond = threading.Condition()
-        self.streams: dict[tuple[int, int], bytearray] = {}
-
-    def end(self, rank: int) -> End:
-        return End(self, rank)
-
-    def left(self, src: int, dst: int) -> bytes:
-        with self.cond:
-            return bytes(self.streams.get((src, dst), b""))
-
-
-@dataclass
-class End:
-    wire: Wire
-    rank: int
-
-    def send(self, dst: int, data: bytes | bytearray | memoryview) -> None:
-        with self.wire.cond:
-            self.wire.streams.setdefault((self.rank, dst), bytearray()).extend(bytes(data))
-            self.wire.cond.notify_all()
-
-    def recv(self, src: int, n: int) -> bytes:
-        with self.wire.cond:
-            buf = self.wire.streams.setdefault((src, self.rank), bytearray())
-            if not self.wire.cond.wait_for(lambda: len(buf) >= n, self.wire.wait):
-                raise PeerCopyError(f"rank {self.rank}: rank {src} did not answer in time")
-            out = bytes(buf[:n])
-            del buf[:n]
-            return out
 
 
 # ------------------------------------------------------------------ the job
@@ -543,17 +502,24 @@ def receives(copies: pc.PeerCopies, sender: int) -> Any:
     return next(p for p in copies.status() if p.role == "receives-from" and p.peer == sender)
 
 
+def receive_once(job: Job, *, sent: int, acknowledged: int) -> tuple[pc.PeerCopies, Wire]:
+    """Rank 0's copy thread receives one frame of rank 1's part of step ``sent``
+    for the save of step ``acknowledged``; closed when it was handled."""
+    wire = Wire()
+    copies = receiving(job, wire, 0, (1,))
+    send_frame(wire.end(1), 0, job, 1, sent)
+    copies.submit(job.refs[acknowledged])
+    assert copies.flush(10)
+    copies.close()
+    return copies, wire
+
+
 @pytest.mark.parametrize("where", sorted(LINKED))
 def test_the_copy_thread_writes_nothing_through_a_link_in_its_peer_folder(job: Job, tmp_path: Path,
                                                                            where: str) -> None:
     away, link = plant_link(job, tmp_path, where)  # in rank 0's folder, where rank 1's copies go
     before, own_before = snapshot(away), snapshot(job.own(0) / "run")
-    wire = Wire()
-    copies = receiving(job, wire, 0, (1,))
-    send_frame(wire.end(1), 0, job, 1, 3)
-    copies.submit(job.refs[3])
-    assert copies.flush(10)
-    copies.close()
+    copies, wire = receive_once(job, sent=3, acknowledged=3)
     st = receives(copies, 1)
     assert st.failures == 1 and st.copies == 0 and "symbolic link" in str(st.last_error), st
     assert copies.stopped is None and wire.left(1, 0) == b""  # the frame drained: the link stays in step
@@ -564,12 +530,7 @@ def test_the_copy_thread_keeps_only_the_save_acknowledged_here(job: Job) -> None
     """A sender that sends another save's record (here step 2's, when step 3
     was acknowledged) is refused and its frame drained; the folder is unchanged."""
     before = snapshot(job.peer(0, 1))
-    wire = Wire()
-    copies = receiving(job, wire, 0, (1,))
-    send_frame(wire.end(1), 0, job, 1, 2)
-    copies.submit(job.refs[3])
-    assert copies.flush(10)
-    copies.close()
+    copies, wire = receive_once(job, sent=2, acknowledged=3)
     st = receives(copies, 1)
     assert st.failures == 1 and "not the save acknowledged here" in str(st.last_error), st
     assert wire.left(1, 0) == b"" and snapshot(job.peer(0, 1)) == before

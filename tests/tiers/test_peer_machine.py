@@ -15,7 +15,6 @@ never the source of a byte read."""
 
 from __future__ import annotations
 
-import queue
 import shutil
 import tempfile
 import threading
@@ -33,7 +32,6 @@ from ckptstore import CheckpointStore, OpenOptions, RecordAuth, TierOptions
 from ckptstore.errors import CkptStoreError
 from ckptstore.identity import identity_digest
 from ckptstore.tiers import (
-    PeerCopyError,
     durable_attempts,
     local_holdings,
     peer_holdings,
@@ -42,47 +40,17 @@ from ckptstore.tiers import (
     send_held_part,
     write_back,
 )
+from tests.peer_wire import End, Wire
 
 IDENT = {"model": "tiny", "world_size": 2}
 KEEP = 3
-
-
-class Wire:
-    """One in-memory byte stream per direction between two endpoints (blocking, bounded wait)."""
-
-    def __init__(self) -> None:
-        self.q: dict[tuple[int, int], queue.Queue[bytes]] = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
-        self.held: dict[tuple[int, int], bytearray] = {(0, 1): bytearray(), (1, 0): bytearray()}
-
-    def end(self, rank: int) -> Link:
-        return Link(self, rank)
-
-
-@dataclass
-class Link:
-    wire: Wire
-    rank: int
-
-    def send(self, dst: int, data: bytes | bytearray | memoryview) -> None:
-        self.wire.q[(self.rank, dst)].put(bytes(data))
-
-    def recv(self, src: int, n: int) -> bytes:
-        buf = self.wire.held[(src, self.rank)]
-        while len(buf) < n:
-            try:
-                buf += self.wire.q[(src, self.rank)].get(timeout=20)
-            except queue.Empty:
-                raise PeerCopyError(f"rank {src} sent nothing for 20 s") from None
-        out = bytes(buf[:n])
-        del buf[:n]
-        return out
 
 
 @dataclass
 class Job:
     """What ``open_distributed``'s peer step leaves on each rank (``TierOptions.peer_job``)."""
 
-    link: Link
+    link: End
     receivers: dict[int, tuple[int, ...]] = field(default_factory=lambda: {0: (1,), 1: (0,)})
     off: str | None = None
     sources: dict[int, Any] = field(default_factory=dict)
@@ -139,7 +107,7 @@ class PeerTiers(RuleBasedStateMachine):
         peer = {r: peer_holdings(self.local, "run", r, self.digest, self.auth)[0] for r in (0, 1)}
         attempts = durable_attempts(self.url, None, "run", self.auth, None)  # as the coordinator judges zombies
         plan, everywhere, _ = plan_repair(own, peer, 2, attempts)
-        wire = Wire()
+        wire = Wire(wait=20)
         errors: list[BaseException] = []
         if plan is not None:
             step, attempt, _, _ = plan.target
@@ -169,7 +137,7 @@ class PeerTiers(RuleBasedStateMachine):
         if self.steps:  # what the durable tier holds now (a close may have replicated the resume point)
             self.durable_known()
         report, everywhere = self._repair() if self.steps else ({1: {"held": [], "reasons": []}}, None)
-        wire = Wire()
+        wire = Wire(wait=20)
         tiers = self._tiers()
         coord = CheckpointStore.open(self.url, "run", identity=IDENT, options=OpenOptions(
             single_writer=True, tiers=replace(tiers, rank=0, peers=report,

@@ -181,6 +181,22 @@ def test_a_sound_peer_copy_is_held_planned_and_written_back_bit_for_bit(job: Job
     assert (job.own(1) / "run" / "saves" / sid / "rank1" / "w").read_bytes() == part(3, 1)
 
 
+def test_a_write_back_killed_before_its_commit_is_done_again_at_the_next_open(job: Job) -> None:
+    """A process killed after the written-back components landed but before
+    their commit record: that folder holds nothing (no commit), and the next
+    open's write-back writes the same save again over the leftovers."""
+    shutil.rmtree(job.own(1))
+    ref, _ = fetch(job, 3)
+    for c in (job.own(1) / "run" / "commits").iterdir():
+        c.unlink()  # the commit record never landed
+    assert local_holdings(job.local, "run", 1, job.digest, AUTH)[0] == []
+    again, failed = fetch(job, 3)
+    assert not failed and again.manifest_digest == ref.manifest_digest
+    assert steps(local_holdings(job.local, "run", 1, job.digest, AUTH)[0]) == [3]
+    sid = job.refs[3].save_id
+    assert (job.own(1) / "run" / "saves" / sid / "rank1" / "w").read_bytes() == part(3, 1)
+
+
 # ------------------------------------------------------------ planted folders
 def elsewhere(tmp_path: Path, job: Job) -> Path:
     """A user's folder the planted links point to, holding a sound copy of rank 1's

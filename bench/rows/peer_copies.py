@@ -14,23 +14,25 @@ save's copy (about 0.3 s at 32 MiB on 2 cores) is done before the next save,
 as in training, where saves are minutes apart.
 
 Each round runs both modes, the order alternating round by round: *on*
-(``peer_copies=1``: each rank's part also copied to the other node in the
-background after the acknowledgement) and *off* (``peer_copies=0``). A mode's
+(``peer_copies=1``: each rank's part also copied to the other node after
+the acknowledgement, on the save's background thread) and *off* (``peer_copies=0``). A mode's
 round is a fresh run:
 
-* ``SAVES`` saves, ``EVERY`` training steps apart (``run.save`` + ``put`` of
-  the four tensors, every rank entering after a barrier), with
+* ``SAVES`` saves, ``EVERY`` training steps apart, as users save: a
+  ``Checkpointer(RankStore(run), {"part": ...})`` with its defaults
+  (asynchronous saves: ``save()`` captures the state and returns; the write,
+  the local commit, the acknowledgement by every rank and, with peer copies,
+  the copies run on its background thread: a save is complete when its
+  copies landed), every rank entering after a barrier, with
   ``replicate_every=SAVES``: the durable tier holds the first save of the
   round, the local tiers (and in mode *on* the peer copies) all of them;
-* **loop blocked per save**: each rank's time inside the ``with
-  run.save(...)`` block (writing its part, the local commit and the
-  acknowledgement by every rank), the slower rank's per save; the background
-  copy is not in it, but it runs during the next ``EVERY`` steps, which are
-  timed too (**steps between saves**: the copy competes with them for the
-  cores), except after the last save of mode *on*, whose copy is timed alone
-  (**copy landed**: the save's return to both of this rank's pairs reporting
-  it in ``replication_status().peers``, the slower rank's) against the
-  interval;
+* **loop blocked per save**: each rank's time inside ``save()``, the slower
+  rank's per save; the background work runs during the next ``EVERY`` steps,
+  which are timed too (**steps between saves**: the save's write and the copy
+  compete with them for the cores), except after the last save of mode *on*,
+  whose copy is timed alone (**copy landed**: ``save()``'s return to both of
+  this rank's pairs reporting it in ``replication_status().peers``, the
+  slower rank's) against the interval;
 * **bytes sent per save**: from ``replication_status().peers`` after
   ``flush()`` (the "sends-to" pair's bytes / copies), against ``k`` x this
   rank's part (k = 1: two nodes);
@@ -40,7 +42,7 @@ round is a fresh run:
   on the slower rank: the open (with peer copies: the repair, node 1's part
   received from rank 0 and written back, every part re-hashed; without: the
   durable resume point's check), the verified read of the rank's part into
-  its tensors (``read_into``) and one training step. **Steps lost**: the
+  its tensors (``Checkpointer.resume``) and one training step. **Steps lost**: the
   newest step saved minus the step resumed from (``steps_lost_with_local_tier``
   of the ``resume-tier`` event says the same).
 
@@ -102,7 +104,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ckptstore import OpenOptions, TierOptions
-    from ckptstore.distributed import open_distributed
+    from ckptstore.distributed import RankStore, open_distributed
+    from ckptstore.torch import Checkpointer
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -111,7 +114,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                             timeout=timedelta(seconds=300))
     g = torch.Generator().manual_seed(rank)
     state = [torch.randn(part // TENSORS // 4, generator=g) for _ in range(TENSORS)]
-    restored = [torch.empty_like(t) for t in state]
+
+    class Part(torch.nn.Module):
+        """This rank's part: four tensors, saved by the Checkpointer as users save a model."""
+
+        def __init__(self, tensors: list[Any]) -> None:
+            super().__init__()
+            for j, t in enumerate(tensors):
+                self.register_buffer(f"t{j}", t)
+
+    saved, restored = Part(state), Part([torch.zeros_like(t) for t in state])
     torch.manual_seed(rank)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -153,29 +165,32 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
             dist.barrier()
             run = open_run()
+            ckpt = Checkpointer(RankStore(run), {"part": saved}, handle_signals=False)  # asynchronous saves
             res: dict[str, Any] = {"mode": mode, "round": rnd, "blocked": [], "between": [], "marks": {}}
             for i in range(1, SAVES + 1):
                 step = i * EVERY
                 dist.barrier()
                 t = time.perf_counter()
-                with run.save(step) as s:
-                    for j, tensor in enumerate(state):
-                        s.put(f"rank{rank}/t{j}", tensor.numpy())
+                ckpt.save(step)  # the loop waits for the state's capture, never for the write or the copies
                 res["blocked"].append(time.perf_counter() - t)
                 res["marks"][str(step)] = float(state[0][0])
-                if i == SAVES and mode == "on":  # the last save's copy, alone: acknowledged -> landed both ways
+                if i == SAVES and mode == "on":  # the last save's copy, alone: save() returned -> landed both ways
                     res["landed"] = landed(run, step, t + res["blocked"][-1])
                 t = time.perf_counter()
                 for _ in range(EVERY):
                     train_step()
                 res["between"].append(time.perf_counter() - t)
+            ckpt.wait()
             t = time.perf_counter()
             res["flushed"] = run.store.flush(120)
             res["flush"] = time.perf_counter() - t
             st = run.store.replication_status()
             res["status"] = st.to_json() if st is not None else None
-            res["part"] = sum(t.numel() * t.element_size() for t in state)
+            last = run.store.latest_complete()  # this rank's part as saved (the tensors, its RNG and state record)
+            assert last is not None and last.record.ranks is not None
+            res["part"] = sum(last.record.components[n].size for n in last.record.ranks[rank])
             dist.barrier()
+            ckpt.close()
             run.close()
             dist.barrier()
             if rank == 1:
@@ -186,18 +201,19 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             t_open = time.monotonic()
             ref = run.resumed_from
             assert ref is not None, "nothing to resume from"
-            for j, tensor in enumerate(restored):
-                run.store.read_into(ref, f"rank{rank}/t{j}", tensor.numpy())
+            again = Checkpointer(RankStore(run), {"part": restored}, handle_signals=False)
+            again.resume()
             t_read = time.monotonic()
             train_step()
             t_step = time.monotonic()
-            assert float(restored[0][0]) == res["marks"][str(ref.step)], "restored another save's bytes"
+            assert float(restored.t0[0]) == res["marks"][str(ref.step)], "restored another save's bytes"
             res["recovery"] = {"start": t0, "opened": t_open, "read": t_read, "stepped": t_step,
                                "resumed": ref.step, "tier": ref.tier, "newest": SAVES * EVERY}
             if rank == 0:
                 ev = [e["payload"] for e in run.store.events() if e["event"] == "resume-tier"]
                 res["resume_tier"] = ev[-1] if ev else None
             dist.barrier()
+            again.close()
             run.close()
             dist.barrier()
             if rank == 0:
@@ -270,7 +286,7 @@ def run(cfg: Config) -> list[Row]:
     on, off = s["on"], s["off"]
     params = {"part_bytes": part, "ranks": 2, "nodes": 2, "saves_per_round": SAVES, "every": EVERY, "rounds": rounds,
               "interval_target_s": round(interval, 3), "iterations_per_step": results[0]["iterations"]}
-    blocked = Row("12", f"peer copies: loop blocked per save (save + acknowledgement), part {human(part)} per rank",
+    blocked = Row("12", f"peer copies: loop blocked per save (Checkpointer.save, asynchronous), part {human(part)} per rank",
                   "s", Measure("peer_copies=0", off["blocked"]), [Measure("peer_copies=1", on["blocked"])], params)
     ratio = blocked.ratio(blocked.contenders[0])
     blocked.notes.append(
@@ -282,7 +298,7 @@ def run(cfg: Config) -> list[Row]:
     between.notes.append(f"each step {results[0]['iterations']} MLP iterations, calibrated so that {EVERY} steps take "
                          f"about {interval:.2f} s; flush() after the last save (copies, then replication): "
                          f"on {_med(on['flush']) * 1000:.0f} ms, off {_med(off['flush']) * 1000:.0f} ms")
-    copy = Row("12", "peer copies: the last save's copy, acknowledged -> landed both ways (alone)", "s",
+    copy = Row("12", "peer copies: the last save's copy, save() returned -> landed both ways (alone)", "s",
                Measure(f"{EVERY} training steps (the interval, peer_copies=0)", off["between"]),
                [Measure("copy landed (replication_status().peers)", on["landed"])], params)
     copy.notes.append("ratio < 1: the copy of a save is done before the next save starts; a shorter interval makes "

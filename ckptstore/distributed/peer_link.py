@@ -97,6 +97,8 @@ class PeerSetup:
     newest_anywhere: int | None = None
     #: the coordinator: every rank's source (rank -> its ``source``)
     sources: dict[int, Any] = field(default_factory=dict)
+    #: how long a save waits for its peer copies at most (the channel's timeout, the link's deadline)
+    wait_seconds: float = 60.0
 
 
 def setup_peers(ch: Channel, tiers: TierOptions, run_id: str, url: str | os.PathLike[str],
@@ -129,7 +131,7 @@ def setup_peers(ch: Channel, tiers: TierOptions, run_id: str, url: str | os.Path
         [dist.get_global_rank(ch.group, r) for r in range(ch.world_size)]
     group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=ch.timeout))
     link = GlooPeerLink(group, ch.rank, ranks)
-    setup = PeerSetup(link, receivers, None)
+    setup = PeerSetup(link, receivers, None, wait_seconds=ch.timeout)
     _repair(ch, tag, setup, tiers, run_id, url, storage_options, identity_digest, auth, retry)
     return setup
 

@@ -153,6 +153,7 @@ class PeerCopies:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._busy = 0
+        self._submitted = self._handled = 0  # saves submitted / handled so far (the queue is FIFO)
         self.stopped: str | None = None
         self._thread = threading.Thread(target=self._run, name="ckptstore-peers", daemon=True)
         self._thread.start()
@@ -162,11 +163,27 @@ class PeerCopies:
         """Whether this rank takes part in any copy pair."""
         return bool(self._status)
 
-    def submit(self, ref: SaveRef) -> None:
-        """``ref`` was acknowledged on every rank: copy its parts (in the background)."""
+    def submit(self, ref: SaveRef) -> int:
+        """``ref`` was acknowledged on every rank: copy its parts (in the background). Returns its
+        ticket for :meth:`wait`."""
         with self._lock:
             self._busy += 1
+            self._submitted += 1
+            ticket = self._submitted
         self._queue.put(ref)
+        return ticket
+
+    def wait(self, ticket: int, timeout: float) -> bool:
+        """Wait until the save of ``ticket`` was handled (copied both ways, skipped or failed, see
+        :meth:`status`); False when ``timeout`` seconds passed first (the copy goes on)."""
+        end = time.monotonic() + timeout
+        with self._idle:
+            while self._handled < ticket:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
 
     def status(self) -> tuple[PeerStatus, ...]:
         with self._lock:
@@ -197,6 +214,7 @@ class PeerCopies:
     def _done(self, n: int = 1) -> None:
         with self._idle:
             self._busy -= n
+            self._handled += n
             self._idle.notify_all()
 
     def _run(self) -> None:
@@ -244,7 +262,11 @@ class PeerCopies:
                     p.nbytes += sum(ref.record.components[n].size for n in names)
                     if failed:
                         p.failures += 1
-                        p.last_error = f"own copy unreadable, sent as zeros: {failed[0]}"
+                        p.last_error = f"own copy unreadable, sent as zeros: {failed[0]}"[:500]
+                if failed:
+                    with contextlib.suppress(Exception):
+                        self._record("peer-copy-failed", {"rank": self.rank, "to": h, "step": ref.step,
+                                                          "why": p.last_error})
             elif h == self.rank:
                 self._receive(s, ref, rec_bytes)
 

@@ -19,6 +19,7 @@ delegates to (its placement) when opened with ``OpenOptions(tiers=...)`` (PROTOC
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -412,11 +413,18 @@ class TierSet:
         return tier
 
     def acknowledged(self, ref: SaveRef) -> None:
-        """Every rank committed its part of ``ref`` (many ranks): copy this rank's part to its peers; the
-        coordinator queues an ``acknowledged`` ledger entry (sent by the replication thread, never
-        blocking): what ``steps_lost_with_local_tier`` counts from after a node is lost."""
+        """Every rank committed its part of ``ref`` (many ranks): copy this rank's part to its peers and
+        wait until they landed (a save is complete when its peer copies are: the Checkpointer's
+        asynchronous save waits on its own thread, never the loop), at most the job's channel timeout
+        (``peer_job.wait_seconds``; past it the copy goes on in the background, recorded as
+        ``peer-copy-late``). Then the coordinator queues an ``acknowledged`` ledger entry (sent by the
+        replication thread, never blocking): what ``steps_lost_with_local_tier`` counts from after a
+        node is lost."""
         if self.peer_copies is not None:
-            self.peer_copies.submit(ref)
+            wait = float(getattr(self.peer_job, "wait_seconds", 60.0))
+            if not self.peer_copies.wait(self.peer_copies.submit(ref), wait):
+                with contextlib.suppress(CkptStoreError, OSError):  # the ledger is best effort here
+                    self.record("peer-copy-late", {"rank": self.rank, "step": ref.step, "waited_seconds": wait})
         if self.rank == 0 and self.replicator is not None:
             self.replicator.queue_event("acknowledged", {"step": ref.step, "save_id": ref.save_id})
 

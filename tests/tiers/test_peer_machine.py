@@ -196,8 +196,11 @@ class PeerTiers(RuleBasedStateMachine):
         ca, cb = a.put("rank0/w", part(step, 0)), b.put("rank1/w", part(step, 1))
         ref = coord.publish(step, sid, {ca.name: ca, cb.name: cb}, ranks={0: [ca.name], 1: [cb.name]}, world_size=2)
         member.publish_record(ref.record.encode())
+        # every rank acknowledges on its own (a save waits there until its peer copies landed)
+        other = threading.Thread(target=member.acknowledged, args=(ref,))
+        other.start()
         coord.acknowledged(ref)
-        member.acknowledged(ref)
+        other.join(30)
         assert coord.flush(30) and member.flush(30)
         self.steps[sid] = step
         for r in (0, 1):

@@ -66,7 +66,7 @@ from ..protocol import ComponentEntry
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
 from .local import LocalTier
-from .peer_frames import PeerLink, receive_frame, receive_part, send_part
+from .peer_frames import PeerCopyError, PeerLink, receive_frame, receive_part, send_part
 from .replicator import PeerStatus
 from .tier_dir import peer_folder
 
@@ -154,6 +154,7 @@ class PeerCopies:
         self._idle = threading.Condition(self._lock)
         self._busy = 0
         self._submitted = self._handled = 0  # saves submitted / handled so far (the queue is FIFO)
+        self._outcome: dict[int, str] = {}  # ticket -> "landed", "failed" or "stopped" (the newest few)
         self.stopped: str | None = None
         self._thread = threading.Thread(target=self._run, name="ckptstore-peers", daemon=True)
         self._thread.start()
@@ -173,17 +174,20 @@ class PeerCopies:
         self._queue.put(ref)
         return ticket
 
-    def wait(self, ticket: int, timeout: float) -> bool:
-        """Wait until the save of ``ticket`` was handled (copied both ways, skipped or failed, see
-        :meth:`status`); False when ``timeout`` seconds passed first (the copy goes on)."""
+    def wait(self, ticket: int, timeout: float) -> str:
+        """Wait until the save of ``ticket`` was handled: ``"landed"`` (every copy of this rank's
+        pairs sent and committed by its receiver), ``"failed"`` (skipped or refused, or copies had
+        stopped before: see :meth:`status` and the ledger), ``"stopped"`` (the link failed during this
+        save's copies: a peer gone or out of step; the copies stop), or ``"late"`` when ``timeout``
+        seconds passed first (the copy goes on)."""
         end = time.monotonic() + timeout
         with self._idle:
             while self._handled < ticket:
                 left = end - time.monotonic()
                 if left <= 0:
-                    return False
+                    return "late"
                 self._idle.wait(left)
-        return True
+            return self._outcome.get(ticket, "failed")
 
     def status(self) -> tuple[PeerStatus, ...]:
         with self._lock:
@@ -211,10 +215,12 @@ class PeerCopies:
                 tier.backend.close()
 
     # ------------------------------------------------------------ the thread
-    def _done(self, n: int = 1) -> None:
+    def _done(self, outcome: str) -> None:
         with self._idle:
-            self._busy -= n
-            self._handled += n
+            self._busy -= 1
+            self._handled += 1
+            self._outcome[self._handled] = outcome
+            self._outcome.pop(self._handled - 64, None)
             self._idle.notify_all()
 
     def _run(self) -> None:
@@ -223,13 +229,15 @@ class PeerCopies:
             if ref is None:
                 return
             behind = self._queue.qsize() >= MAX_WAITING  # newer saves wait: this one's turn is "nothing new"
+            outcome = "failed"
             try:
                 if self.stopped is None and self.active:
-                    self._round(ref, send=not behind)
+                    outcome = "landed" if self._round(ref, send=not behind) else "failed"
             except BaseException as exc:  # noqa: BLE001 - the link is out of step: stop copying, say so
                 self._stop(f"{type(exc).__name__}: {exc}"[:500], ref)
+                outcome = "stopped"
             finally:
-                self._done()
+                self._done(outcome)
 
     def _stop(self, why: str, ref: SaveRef) -> None:
         with self._lock:
@@ -240,7 +248,9 @@ class PeerCopies:
         with contextlib.suppress(Exception):
             self._record("peer-copy-stopped", {"rank": self.rank, "step": ref.step, "why": why})
 
-    def _round(self, ref: SaveRef, *, send: bool) -> None:
+    def _round(self, ref: SaveRef, *, send: bool) -> bool:
+        """One save's copies, pair by pair; whether every one of this rank's pairs landed."""
+        landed = True
         rec_bytes = ref.record.encode()
         mine = part_names(ref.record, self.rank)
         for s, h in self.pairs:
@@ -254,6 +264,7 @@ class PeerCopies:
                     send_part(self.link, h, ref.step, None, read, names)
                     with self._lock:
                         p.skipped += 1
+                    landed = False
                     continue
                 failed = send_part(self.link, h, ref.step, rec_bytes, read, names)
                 with self._lock:
@@ -264,25 +275,28 @@ class PeerCopies:
                         p.failures += 1
                         p.last_error = f"own copy unreadable, sent as zeros: {failed[0]}"[:500]
                 if failed:
+                    landed = False
                     with contextlib.suppress(Exception):
                         self._record("peer-copy-failed", {"rank": self.rank, "to": h, "step": ref.step,
                                                           "why": p.last_error})
             elif h == self.rank:
-                self._receive(s, ref, rec_bytes)
+                landed = self._receive(s, ref, rec_bytes) and landed
+        return landed
 
-    def _receive(self, sender: int, ref: SaveRef, expect: bytes) -> None:
+    def _receive(self, sender: int, ref: SaveRef, expect: bytes) -> bool:
+        """Receive ``sender``'s part of ``ref`` into its folder; whether it landed."""
         p = self._status[("receives-from", sender)]
         frame = receive_frame(self.link, sender, sender, self.run_id)
         if frame is None:
             with self._lock:
                 p.skipped += 1
-            return
+            return False
         if frame.data != expect:
             frame.drain()
             with self._lock:
                 p.failures += 1
                 p.last_error = f"step {frame.step}: the record sent is not the save acknowledged here; not kept"
-            return
+            return False
         try:
             tier = self._tiers.get(sender)
             if tier is None:
@@ -293,6 +307,8 @@ class PeerCopies:
                     raise
             receive_part(frame, tier)
             tier.gc(keep_last=self.keep)
+        except PeerCopyError:
+            raise  # the link itself failed (a peer gone, a deadline): out of step, the copies stop
         except (CkptStoreError, OSError) as exc:
             why = f"step {ref.step}: {type(exc).__name__}: {exc}"[:500]
             with self._lock:
@@ -300,11 +316,12 @@ class PeerCopies:
                 p.last_error = why
             with contextlib.suppress(Exception):
                 self._record("peer-copy-failed", {"rank": self.rank, "from": sender, "step": ref.step, "why": why})
-            return
+            return False
         with self._lock:
             p.last_step = ref.step
             p.copies += 1
             p.nbytes += sum(frame.record.components[n].size for n in frame.names)
+        return True
 
 
 def open_peer_folder(local_tier: str | os.PathLike[str], holder: int, sender: int, run_id: str,

@@ -38,6 +38,7 @@ from ..core.reader import Reader, VerifyReport
 from ..core.writer import StagedSave, WriterContext, publish, publish_part, seal_record
 from ..errors import (
     CkptStoreError,
+    CommitUnknownError,
     CorruptionError,
     InvalidInputError,
     NotFoundError,
@@ -417,14 +418,30 @@ class TierSet:
         wait until they landed (a save is complete when its peer copies are: the Checkpointer's
         asynchronous save waits on its own thread, never the loop), at most the job's channel timeout
         (``peer_job.wait_seconds``; past it the copy goes on in the background, recorded as
-        ``peer-copy-late``). Then the coordinator queues an ``acknowledged`` ledger entry (sent by the
+        ``peer-copy-late``). A peer gone during them (the link failed) is :class:`CommitUnknownError`:
+        the save is committed on every rank but not complete (raised on each rank whose copies needed
+        that peer). Otherwise the coordinator queues an ``acknowledged`` ledger entry (sent by the
         replication thread, never blocking): what ``steps_lost_with_local_tier`` counts from after a
         node is lost."""
-        if self.peer_copies is not None:
+        copies = self.peer_copies
+        if copies is not None:
+            running = copies.active and copies.stopped is None
             wait = float(getattr(self.peer_job, "wait_seconds", 60.0))
-            if not self.peer_copies.wait(self.peer_copies.submit(ref), wait):
+            outcome = copies.wait(copies.submit(ref), wait)
+            if outcome == "late":
                 with contextlib.suppress(CkptStoreError, OSError):  # the ledger is best effort here
                     self.record("peer-copy-late", {"rank": self.rank, "step": ref.step, "waited_seconds": wait})
+            if running and outcome == "stopped":
+                # a peer went away during this save's copies (a node lost with it, perhaps): the save is
+                # committed on every rank but held on one node only; as a save whose acknowledgement is
+                # lost, it is not acknowledged (a restart may still resume from it where every part is held)
+                raise CommitUnknownError(
+                    f"save of step {ref.step} ({ref.save_id}): committed on every rank, but its peer copies "
+                    f"did not land ({copies.stopped}); the save is not complete. Nothing was deleted; the "
+                    "previous complete save stays, and a restart resumes from this one if every rank's part "
+                    "is still held somewhere")
+            # refused, skipped or late (the thread recorded why): the save returns as complete, not copied
+            # (or not yet); acknowledged as any save, so steps_lost_with_local_tier never undercounts
         if self.rank == 0 and self.replicator is not None:
             self.replicator.queue_event("acknowledged", {"step": ref.step, "save_id": ref.save_id})
 

@@ -143,26 +143,34 @@ def test_peer_copies_are_off_on_one_node_and_say_so(tmp_path: Path) -> None:
     assert not (tmp_path / "local" / "rank-0" / ".peers").exists()
 
 
-def test_a_peer_killed_during_its_copy_costs_one_save_and_the_partial_copy_is_never_used(tmp_path: Path) -> None:
+def test_a_peer_killed_during_its_copy_leaves_that_save_incomplete_and_the_partial_copy_unused(
+        tmp_path: Path) -> None:
     """Rank 1 dies part way into sending its copy of step 3 (acknowledged on both
-    ranks): rank 0's copy thread stops and says so; node 1's disk is then lost.
-    Rank 0 holds no complete copy of rank 1's step 3, so the job resumes from
-    step 2 (rank 1's part written back from rank 0's copy), one save lost."""
+    ranks): rank 0's copy thread stops and says so, and rank 0's save of step 3
+    is :class:`CommitUnknownError` (committed on every rank, its copies did not
+    land: not complete). Node 1's disk is then lost. Rank 0 holds no complete
+    copy of rank 1's step 3, so the job resumes from step 2 (rank 1's part
+    written back from rank 0's copy): the newest complete save, no step of a
+    complete save lost."""
     res = job(tmp_path, steps=[1, 2, 3], every=5, flush=20, kill_in_copy={"rank": 1, "step": 3})
     r0 = next(r for r in res if r.rank == 0)
-    assert r0.results["save3"]["ok"], r0.results
+    assert r0.results["save2"]["ok"], r0.results
+    assert not r0.results["save3"]["ok"] and r0.results["save3"]["type"] == "CommitUnknownError", r0.results
+    assert "peer copies did not land" in r0.results["save3"]["message"], r0.results
     st = r0.results["flush"]["status"]
     assert st["peer_copies"].startswith("stopped: "), st  # visible: the peer went away mid-frame
     got = {(p["role"], p["peer"]): p for p in st["peers"]}
     assert got[("receives-from", 1)]["copies"] == 2 and got[("receives-from", 1)]["stopped"], st
     with CheckpointStore.open(str(tmp_path / "durable"), "run") as s:
-        assert any(e["event"] == "peer-copy-stopped" for e in s.events())
+        events = s.events()
+        assert any(e["event"] == "peer-copy-stopped" for e in events)
+        assert sorted(e["payload"]["step"] for e in events if e["event"] == "acknowledged") == [1, 2]
     shutil.rmtree(tmp_path / "local" / "rank-1")
     res = job(tmp_path, steps=[], flush=20)
     assert opened(res) == [(2, "local"), (2, "local")]
     assert all(r.results["read"]["ok"] for r in res)
     d = resume_tier(tmp_path)
-    assert d["steps_lost_with_local_tier"] == 1 and d["newest_held_by_every_rank"] == 2, d
+    assert d["steps_lost_with_local_tier"] == 0 and d["newest_held_by_every_rank"] == 2, d
     assert d["ranks"]["1"]["source"]["from"] == "peer", d
 
 

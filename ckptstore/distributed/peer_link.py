@@ -33,6 +33,7 @@ from ..errors import CkptStoreError
 from ..options import TierOptions
 from ..retry import RetryPolicy
 from ..tiers import (
+    PEER_WAIT_SECONDS,
     PeerCopyError,
     RepairPlan,
     assign_receivers,
@@ -98,7 +99,7 @@ class PeerSetup:
     #: the coordinator: every rank's source (rank -> its ``source``)
     sources: dict[int, Any] = field(default_factory=dict)
     #: how long a save waits for its peer copies at most (the channel's timeout, the link's deadline)
-    wait_seconds: float = 60.0
+    wait_seconds: float = PEER_WAIT_SECONDS
 
 
 def setup_peers(ch: Channel, tiers: TierOptions, run_id: str, url: str | os.PathLike[str],

@@ -70,10 +70,12 @@ from .peer_frames import PeerCopyError, PeerLink, receive_frame, receive_part, s
 from .replicator import PeerStatus
 from .tier_dir import peer_folder
 
-__all__ = ["MAX_WAITING", "PeerCopies", "assign_receivers", "copy_pairs", "node_name", "open_peer_folder"]
+__all__ = ["MAX_WAITING", "PEER_WAIT_SECONDS", "PeerCopies", "assign_receivers", "copy_pairs", "node_name", "open_peer_folder"]
 
 #: acknowledged saves waiting for the copy thread at most; beyond it the oldest are skipped (newest wins)
 MAX_WAITING = 2
+#: how long a save waits for its peer copies when the job does not say (``open_distributed`` says: its timeout)
+PEER_WAIT_SECONDS = 60.0
 
 
 def node_name(explicit: str | None = None) -> str:

@@ -53,7 +53,7 @@ from ..util.shutdown import before_pools_stop
 from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
 from .parts import PartCopier, part_record
-from .peer_copies import PeerCopies, open_peer_folder
+from .peer_copies import PEER_WAIT_SECONDS, PeerCopies, open_peer_folder
 from .replicator import EarlyUploads, ReplicationStatus, Replicator
 
 T = TypeVar("T")
@@ -426,7 +426,7 @@ class TierSet:
         copies = self.peer_copies
         if copies is not None:
             running = copies.active and copies.stopped is None
-            wait = float(getattr(self.peer_job, "wait_seconds", 60.0))
+            wait = float(getattr(self.peer_job, "wait_seconds", PEER_WAIT_SECONDS))
             outcome = copies.wait(copies.submit(ref), wait)
             if outcome == "late":
                 with contextlib.suppress(CkptStoreError, OSError):  # the ledger is best effort here

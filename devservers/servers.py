@@ -49,13 +49,26 @@ class ServerStartError(RuntimeError):
     pass
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(max_port: int = 55535) -> int:
-    """A free TCP port on 127.0.0.1 in [20000, max_port] (and port+10000 free too)."""
-    for _ in range(200):
-        p = random.randint(20000, max_port)
-        if _port_free(p) and (p + 10000 > 65535 or _port_free(p + 10000)):
+    """A free TCP port on 127.0.0.1 (and port+10000 free too: SeaweedFS's gRPC ports), never one this
+    process handed out before, from a slice of its own per pytest-xdist worker: a server stopped and
+    restarted on its port (tests/backends/test_kill_and_outage.py) must find it free again, which a
+    port another worker drew while it was down would break. Worker ``gwN`` draws from
+    [20000 + 1000 (N + 1), +999] (the controller and plain runs from [20000, 20999]); the +10000
+    companions land in 30000-39999, apart from every slice."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    slot = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    low = 20000 + 1000 * (slot % 10)
+    high = min(low + 999, max_port)
+    for _ in range(400):
+        p = random.randint(low, high)
+        if p not in _HANDED_OUT and _port_free(p) and _port_free(p + 10000):
+            _HANDED_OUT.add(p)
             return p
-    raise ServerStartError("no free port found on 127.0.0.1")
+    raise ServerStartError(f"no free port found on 127.0.0.1 in {low}-{high}")
 
 
 def _port_free(p: int) -> bool:

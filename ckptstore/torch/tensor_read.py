@@ -4,9 +4,10 @@ Each component is read straight into the memory of the tensors handed out (a
 scatter read, :meth:`CheckpointStore.read_into` with one buffer per tensor):
 its safetensors header is read first (a bounded range read, parsed strictly,
 **not yet trusted**), one tensor of the header's dtype and shape is allocated
-per entry with :func:`torch.empty` (torch's allocator, the same allocations
-torch.load makes for its own storages, so the process's freed memory is
-reused the same way, every tensor aligned, no copy of small tensors), then the
+per entry with :func:`torch.empty` on the calling thread (:func:`_plan`:
+torch's allocator, the same allocations torch.load makes for its own
+storages on the same thread, so the process's freed memory is reused the
+same way; every tensor aligned, no copy of small tensors), then the
 whole component is read into [header, tensor, tensor, ...], hashed span by
 span in a helper thread while the next span is read. The tensors are handed
 out only after the component's digest matched and the verified header equals
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -98,43 +100,77 @@ def _read_head(store: CheckpointerStore, ref: SaveRef, comp: str, size: int) -> 
     return head[:need]
 
 
-def _read_scattered(store: CheckpointerStore, ref: SaveRef, comp: str, size: int) -> dict[str, torch.Tensor] | None:
-    """The component read straight into one new tensor per entry (see the
-    module docstring); None when its header could not be read or parsed
-    before the read, or the verified header differs from the one read first."""
+@dataclass
+class _Planned:
+    """A component's read prepared on the calling thread: its claimed size and,
+    when its header could be read and parsed first, that header (not yet
+    trusted) and one new tensor per entry (None: the one-buffer path)."""
+
+    comp: str
+    size: int
+    head: bytes | None = None
+    tensors: list[tuple[str, torch.Tensor]] | None = None
+
+
+def _plan(store: CheckpointerStore, ref: SaveRef, comp: str, limit: int | None, entry: str) -> _Planned:
+    """Check the claim, read the header and allocate the tensors it describes.
+
+    Runs on the thread that called :func:`read_tensors`, never in the read
+    pool: glibc gives each thread its own malloc arena, and memory the caller
+    freed (the state being replaced, a model's build) is reused only by
+    allocations on the same thread. Allocated in the pool, every tensor was
+    fresh memory, paid for in page faults: a restart's 240 MiB restore read in
+    137 ms from the pool against 104 ms on the calling thread (median of 4
+    fresh processes, docs/performance.md)."""
+    size = store.component(ref, comp).size
+    err = _claim_error(ref, comp, size, limit, entry)
+    if err is not None:
+        raise err
     try:
         head = _read_head(store, ref, comp, size)
-        start, entries = parse_layout(head, size)
+        _start, entries = parse_layout(head, size)
     except (CorruptionError, NotFoundError):
-        return None
+        return _Planned(comp, size)
     try:  # the entries tile size - start bytes: the allocation is the claim, bounded by the caller
         tensors = [(name, torch.empty(shape, dtype=dtype)) for name, dtype, shape, _b, _e in entries]
     except (MemoryError, OSError, RuntimeError) as exc:
         raise _no_memory(ref, comp, size, exc) from None
+    return _Planned(comp, size, head, tensors)
+
+
+def _read_scattered(store: CheckpointerStore, ref: SaveRef, plan: _Planned) -> dict[str, torch.Tensor] | None:
+    """The component read straight into its planned tensors (see the module
+    docstring); None when the verified header differs from the one read first."""
+    assert plan.head is not None and plan.tensors is not None
+    start = len(plan.head)
     header = bytearray(start)
-    store.read_into(ref, comp, [header, *(_bytes_of(t) for _n, t in tensors if t.numel())])
-    if header != head:
+    store.read_into(ref, plan.comp, [header, *(_bytes_of(t) for _n, t in plan.tensors if t.numel())])
+    if header != plan.head:
         return None
-    for name, t in tensors:
+    for name, t in plan.tensors:
         check_bools(name, t)
-    return dict(tensors)
+    return dict(plan.tensors)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
-def _read_one(store: CheckpointerStore, ref: SaveRef, comp: str, limit: int | None, entry: str) -> dict[str, torch.Tensor]:
-    size = store.component(ref, comp).size
-    err = _claim_error(ref, comp, size, limit, entry)
-    if err is not None:
-        raise err
-    out = _read_scattered(store, ref, comp, size)
-    if out is not None:
-        return out
-    buf = _allocate(ref, comp, size, limit, entry)
-    store.read_into(ref, comp, buf.numpy())
+def _fill(store: CheckpointerStore, ref: SaveRef, plan: _Planned, limit: int | None, entry: str) -> dict[str, torch.Tensor]:
+    """Read a planned component: scattered into its tensors, else (no usable
+    header, or the verified one differs) into one fresh buffer, parsed after it verified."""
+    if plan.tensors is not None:
+        out = _read_scattered(store, ref, plan)
+        if out is not None:
+            return out
+        plan.tensors = None  # the header changed under us: drop the tensors before the buffer is allocated
+    buf = _allocate(ref, plan.comp, plan.size, limit, entry)
+    store.read_into(ref, plan.comp, buf.numpy())
     return tensors_from_buffer(buf)
+
+
+def _read_one(store: CheckpointerStore, ref: SaveRef, comp: str, limit: int | None, entry: str) -> dict[str, torch.Tensor]:
+    return _fill(store, ref, _plan(store, ref, comp, limit, entry), limit, entry)
 
 
 def read_tensors(
@@ -157,6 +193,7 @@ def read_tensors(
             err = _claim_error(ref, comp, store.component(ref, comp).size, bound[name], name)
             if err is not None:
                 raise err
+    plans = {name: _plan(store, ref, comp, bound.get(name), name) for name, comp in items}  # this thread (_plan)
     with ThreadPoolExecutor(min(MAX_PARALLEL, len(items)), thread_name_prefix="ckptstore-read") as pool:
-        futures = {name: pool.submit(_read_one, store, ref, comp, bound.get(name), name) for name, comp in items}
+        futures = {name: pool.submit(_fill, store, ref, plan, bound.get(name), name) for name, plan in plans.items()}
         return {name: fut.result() for name, fut in futures.items()}

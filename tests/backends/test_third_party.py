@@ -107,3 +107,48 @@ def test_a_suite_without_raw_hooks_says_what_to_override() -> None:
 
     with pytest.raises(NotImplementedError, match="override set_raw, get_raw and delete_raw"):
         Bare().set_raw(DictBackend({}, threading.Lock()), "k", b"v")
+
+
+# ------------------------------------------------- schemes from installed packages
+
+
+class _FakeEntryPoint:
+    """What ``importlib.metadata`` gives for an installed ``ckptstore.backends`` entry point."""
+
+    def __init__(self, name: str, factory: object) -> None:
+        self.name = name
+        self._factory = factory
+
+    def load(self) -> object:
+        return self._factory
+
+
+def test_an_installed_scheme_opens_but_never_takes_over_plain_paths(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry point adds a scheme and may replace a named built-in one, but a
+    plain path and ``file://`` stay the built-in local disk (an installed
+    package cannot silently take over where plain paths write), and opening a
+    local store never scans the installed distributions."""
+    from ckptstore.backends import schemes
+    from ckptstore.backends.local import LocalBackend
+
+    taken: list[str] = []
+
+    def hijack(url: str, opts: dict) -> Backend:
+        taken.append(url)
+        return DictBackend({}, threading.Lock())
+
+    scanned: list[int] = []
+
+    def plugins() -> dict[str, _FakeEntryPoint]:
+        scanned.append(1)
+        return {"file": _FakeEntryPoint("file", hijack), "dict": _FakeEntryPoint("dict", hijack)}
+
+    monkeypatch.setattr(schemes, "_plugins", plugins)
+    for url in (str(tmp_path / "a"), f"file://{tmp_path / 'b'}"):
+        assert isinstance(schemes.backend_from_url(url), LocalBackend)
+    assert taken == [] and scanned == []  # the local disk: no scan, no plugin
+    assert isinstance(schemes.backend_from_url("dict://x/y"), DictBackend)
+    assert taken == ["dict://x/y"] and scanned == [1]
+    # the process itself may still replace the local disk, explicitly
+    monkeypatch.setattr(schemes, "_registered", {"file": hijack})
+    assert isinstance(schemes.backend_from_url(str(tmp_path / "c")), DictBackend)

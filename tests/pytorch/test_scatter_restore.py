@@ -165,6 +165,46 @@ def test_restore_is_bit_exact_through_the_scatter_read(tmp_path: Any, version: i
         assert t.storage_offset() == 0
 
 
+
+def test_the_restore_allocates_its_tensors_on_the_calling_thread(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor a restore hands out is allocated on the thread that called
+    it, not in the read pool: glibc's per-thread arenas reuse the memory the
+    caller freed only for that thread's allocations (a pool-allocated restore
+    paid page faults for every byte: 137 against 104 ms for 240 MiB in a fresh
+    process). The reads themselves still run in the pool."""
+    import threading
+
+    from ckptstore.torch import tensor_read
+
+    objs = _objects(1)
+    _step(objs)
+    st = CheckpointStore.open(tmp_path, "r", identity=IDENT)
+    with Checkpointer(st, objs, async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    ref = st.latest_complete()
+    assert ref is not None
+    real_empty, real_read_into = torch.empty, st.read_into
+    allocated: list[str] = []
+    read: list[str] = []
+
+    def empty(*a: Any, **k: Any) -> torch.Tensor:
+        allocated.append(threading.current_thread().name)
+        return real_empty(*a, **k)
+
+    def read_into(*a: Any, **k: Any) -> None:
+        read.append(threading.current_thread().name)
+        real_read_into(*a, **k)
+
+    monkeypatch.setattr(tensor_read.torch, "empty", empty)
+    monkeypatch.setattr(st, "read_into", read_into)
+    comps = {name: f"{name}.safetensors" for name in ("model", "optimizer", "rng")}
+    got = read_tensors(st, ref, comps)
+    assert set(got) == set(comps) and all(got.values())
+    me = threading.current_thread().name
+    assert allocated and set(allocated) == {me}
+    assert len(read) == len(comps) and all(n.startswith("ckptstore-read") for n in read)
+
+
 def _flip(path: Any, offset: int) -> None:
     raw = bytearray(path.read_bytes())
     raw[offset] ^= 0x20

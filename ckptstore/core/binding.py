@@ -59,17 +59,27 @@ def bind_identity(
     auth: RecordAuth,
     version: Layout | None = None,
 ) -> dict[str, Any]:
-    """Create the run record (with ``version``'s layout, default the latest),
-    or check the existing one; the identity in force."""
-    layout = version or LATEST_LAYOUT
-    rec = RunRecord(
-        io.run_id, requested, identity_digest(requested), now(), dict(lineage) if lineage else None,
-        version=layout.version,
-    )
-    if io.create(run_record_key(io.run_id), auth.seal(rec, io.run_id).encode(), what="run identity record"):
-        io.layout_or_none = layout
-        return requested
-    stored = read_run_record(io, auth).identity
+    """Check the existing run record, or create it (with ``version``'s layout,
+    default the latest); the identity in force.
+
+    Read first: an open of an existing run (every restart) reads the record
+    and writes nothing (creating first cost it a temporary file, an fsync and
+    a refused link on a local disk, a refused conditional PUT on S3 and GCS).
+    A run that does not exist yet is created with the backend's create (a
+    link, ``If-None-Match: *``, ``ifGenerationMatch=0``); the loser of two
+    first opens reads the winner's record and is judged against it."""
+    try:
+        stored = read_run_record(io, auth).identity
+    except NotFoundError:
+        layout = version or LATEST_LAYOUT
+        rec = RunRecord(
+            io.run_id, requested, identity_digest(requested), now(), dict(lineage) if lineage else None,
+            version=layout.version,
+        )
+        if io.create(run_record_key(io.run_id), auth.seal(rec, io.run_id).encode(), what="run identity record"):
+            io.layout_or_none = layout
+            return requested
+        stored = read_run_record(io, auth).identity
     check_identity(io.run_id, stored, requested)
     check_version(io, version)
     return dict(stored)

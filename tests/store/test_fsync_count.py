@@ -196,3 +196,43 @@ def test_put_many_past_a_settle_batch(tmp_path, monkeypatch, version) -> None:  
     assert ref is not None and ref.step == 2
     assert all(store.read(ref, n) == d for n, d in items)
     store.close()
+
+
+#: a restart: Checkpointer.open of an existing run for writing, then resume()
+RESTART = {"file attempts": 1, "dir attempts": 1,  # the new attempt's record (fencing): its bytes, then its link
+           "file events": 1}  # the resume entry's bytes (never torn); its name is not waited for
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_restart_fsyncs_are_pinned_and_the_run_record_is_not_written(tmp_path, monkeypatch, version) -> None:  # type: ignore[no-untyped-def]
+    """The open of an existing run reads RUN.json and writes nothing of it (no
+    temporary file, no fsync, no refused link): every restart pays only the
+    attempt record and the resume entry."""
+    root = tmp_path / "s"
+    m, o = _model()
+    with Checkpointer.open(root, "run", IDENT, {"model": m, "optimizer": o}, async_save=False, handle_signals=False,
+                           options=OpenOptions(protocol_version=version)) as ck:
+        _train(m, o)
+        ck.save(1)
+    run_record = (root / "run" / "RUN.json").stat()
+    created: list[str] = []
+    real_open = os.open
+
+    def spy_open(path, flags, *a, **k):  # type: ignore[no-untyped-def]
+        if flags & os.O_CREAT:
+            created.append(os.path.basename(str(path)))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    with counting(monkeypatch, str(root)) as c:
+        ck = Checkpointer.open(root, "run", IDENT, {"model": m, "optimizer": o}, async_save=False,
+                               handle_signals=False)
+        assert ck.resume() == 2
+    ck.close()
+    want = dict(RESTART)
+    if version == 3:  # the first save's intent, written in the background from the open (§9.3)
+        want.update({"dir ": 1, "file intents": 1})  # intents/ made again (emptied by the last close)
+    assert dict(c.by_what) == want, dict(c.by_what)
+    assert not [n for n in created if "RUN" in n], created
+    after = (root / "run" / "RUN.json").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (run_record.st_ino, run_record.st_mtime_ns)

@@ -30,6 +30,7 @@ ROWS = [
     "sync_save",  # 2: sync save of a torch state against torch.save, safetensors, DCP
     "async_save",  # 3: async save, loop blocked, against a copy into preallocated buffers and DCP async_save
     "restore",  # 4: resume into live objects against torch.load, dcp.load and the read/hash floor
+    "fresh_restore",  # 4f: the same resume in a fresh process (a restart), against torch.load in one
     "history",  # 5 and 6: latest_complete() and list_saves() against history length
     "memory",  # 7: peak memory of save and restore
     "restart",  # 8: end to end, restart to the first useful step

@@ -33,7 +33,7 @@ from ..protocol.layout import (
     piece_key,
     pieces_prefix,
 )
-from ..protocol.pieces import ListedPiece, cut_pieces
+from ..protocol.pieces import ListedPiece, cut_planned
 from ..protocol.records import MAX_INTENT_RECORD, IntentRecord, PieceRef, pieces_digest
 from ..protocol.selection import SkipReason
 from .bounded_io import RunIO
@@ -50,6 +50,10 @@ RENEW_SHARE = 0.5
 REHASH_EVERY = 8
 #: Damage reports a writer keeps (``PieceWriter.damaged``), newest last.
 DAMAGE_REPORTS = 100
+#: Every this many saves a writer cuts every buffer alone again (*probes*, §9.2 "Packing what
+#: changes"), so that a buffer packed as changing that stopped changing is found again: two saves
+#: in a row (the first gives every buffer a piece of its own again, the second learns from it).
+PROBE_EVERY = 16
 
 
 class DamagedPieceWarning(UserWarning):
@@ -192,6 +196,14 @@ class PieceWriter:
         self.damaged: list[str] = []
         #: pieces re-hashed by the evidence checks (tests and benchmarks count them)
         self.rehashed = 0
+        #: per component, what the last informed probe save saw (§9.2 "Packing what changes"): the
+        #: sizes of its buffers and the indices of those it wrote anew (changed since the save before)
+        self.changing: dict[str, tuple[tuple[int, ...], frozenset[int]]] = {}
+        #: saves committed since that probe (the next save probes at PROBE_EVERY - 1)
+        self.since_probe = 0
+        #: whether the known pieces are of a save that cut every buffer alone (this writer's probe):
+        #: only then does a probe's "written anew" mean "changed" (a packed buffer has no piece of its own)
+        self.known_cut_alone = False
 
     def active(self, save_id: str) -> SavePieces | None:
         """The pieces side of a save this writer staged and has not published."""
@@ -219,6 +231,16 @@ class PieceWriter:
         with self._lock:
             self.known = known
             own = self._saves.pop(rec.save_id, None) if rec is not None else None
+            if own is not None and own.probe:
+                # what changed is known only against pieces of a save cut alone: after a run's first
+                # save, a restart, or packed saves, the first probe teaches nothing and the next one does
+                self.changing = dict(own.seen) if own.informed else {}
+                self.since_probe = 0
+            elif own is not None:
+                self.since_probe += 1
+            else:  # another process's commit (a resume point): probe before packing anything
+                self.changing, self.since_probe = {}, 0
+            self.known_cut_alone = own is not None and own.probe
             # evidence is kept only for pieces still known; the pieces this process just wrote are
             # intact as of now (hashed while written): their evidence is the listing made below
             self.evidence = {hd: e for hd, e in self.evidence.items() if hd in names}
@@ -345,6 +367,9 @@ class PieceWriter:
         with self._lock:
             known = dict(self.known)
             self.saves_begun += 1
+            probe = not self.changing or self.since_probe >= PROBE_EVERY - 1
+            plan = {} if probe else dict(self.changing)
+            informed = bool(known) and self.known_cut_alone
         left = self._left_by_step(step, save_id, {p.holder for p in known.values()})
         names = frozenset((p.holder, p.digest) for p in known.values()) | frozenset(left)
         intent = self.intent
@@ -356,7 +381,7 @@ class PieceWriter:
             # after the intent: an old one may have lapsed and gc swept what it named; and a piece is
             # reused only while the evidence that it is intact holds (§9.2 "Evidence")
             known = self._still_intact(known)
-        save = SavePieces(self, save_id, known, left, intent)
+        save = SavePieces(self, save_id, known, left, intent, probe=probe, informed=informed, plan=plan)
         with self._lock:
             self._saves[save_id] = save
         return save
@@ -400,6 +425,14 @@ class SavePieces:
     _left_by_digest: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: pieces of other saves this save relies on (its intent must name them)
     relied: set[tuple[str, str]] = field(default_factory=set)
+    #: a probe cuts every buffer alone (§9.2 "Packing what changes"); ``informed``: pieces of an
+    #: earlier save were known, so a buffer written anew is one that changed
+    probe: bool = True
+    informed: bool = False
+    #: per component, the probe's view this save packs by (empty for a probe)
+    plan: dict[str, tuple[tuple[int, ...], frozenset[int]]] = field(default_factory=dict)
+    #: per component, what this save saw (a probe's lesson, taken by ``PieceWriter.learn``)
+    seen: dict[str, tuple[tuple[int, ...], frozenset[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for (holder, digest), size in self.left.items():
@@ -436,11 +469,28 @@ class SavePieces:
         pending: list[Future[PendingPut]] = []
         landed: list[PendingPut] = []
         pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="ckptstore-piece")
+        expected, changing = self.plan.get(name, ((), frozenset()))
+        live = set(changing)  # packed as changing while the buffers have the probe's sizes
+        sizes: list[int] = []
+        anew: set[int] = set()
+
+        def buffers() -> Iterator[memoryview]:
+            for i, b in enumerate(iter_chunks(data, None)):
+                if live and (i >= len(expected) or len(b) != expected[i]):
+                    live.clear()  # another layout than the probe's: every buffer from here on cut alone
+                sizes.append(len(b))
+                yield b
+
         try:
-            for piece in cut_pieces(iter_chunks(data, None)):
-                digest = blake3.blake3(piece, max_threads=blake3.blake3.AUTO if len(piece) >= 1 << 22 else 1).hexdigest()
-                size = len(piece)
+            for piece, held in cut_planned(buffers(), live):
+                size = sum(len(v) for v in piece)
+                h = blake3.blake3(max_threads=blake3.blake3.AUTO if size >= 1 << 22 else 1)
+                for v in piece:
+                    h.update(v)
+                digest = h.hexdigest()
                 ref = self._reuse(digest, size)
+                if ref is None or ref.holder == self.save_id:
+                    anew |= held
                 if ref is not None and ref.holder != self.save_id:
                     with self._lock:
                         self.relied.add((ref.holder, ref.digest))
@@ -451,7 +501,7 @@ class SavePieces:
                         self.written.setdefault(digest, ref)
                     if first:
                         key = piece_key(io.run_id, self.save_id, digest)
-                        pending.append(pool.submit(io.retry.call, partial(io.backend.put_deferred, key, [piece])))
+                        pending.append(pool.submit(io.retry.call, partial(io.backend.put_deferred, key, piece)))
                         self.written_bytes += size
                         while len(pending) >= 2 * UPLOAD_CONCURRENCY:
                             landed.append(pending.pop(0).result())
@@ -463,6 +513,9 @@ class SavePieces:
                 refs.append(ref)
             while pending:
                 landed.append(pending.pop(0).result())
+            if self.probe and self.informed:
+                with self._lock:
+                    self.seen[name] = (tuple(sizes), frozenset(anew))
             if defer is not None:
                 defer.extend(landed)  # the caller settles them before the entry is used
             else:

@@ -10,6 +10,14 @@ buffers' sizes, never on their bytes: a save of tensors of the same shapes
 cuts at the same places, so a tensor that did not change gives the same
 pieces, and the same digests, as before.
 
+**Packing what changes.** :func:`cut_planned` is the same rule for the
+buffers a writer expects to be stable, and packs each run of the buffers it
+expects to change (``changing``: their indices) into pieces of up to
+:data:`CHANGING_PIECE_BYTES`, each a list of views of the buffers (no copy).
+The expectation only moves cut points: a buffer expected to change that did
+not is written again (bytes, never a wrong restore); one expected stable that
+changed gets pieces of its own, as under :func:`cut_pieces`.
+
 **Sweeping.** :func:`plan_sweep` decides which listed pieces gc deletes:
 only pieces that nothing marks (no kept commit, no live save intent) and whose
 last write is older than the grace period.
@@ -17,13 +25,15 @@ last write is older than the grace period.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 #: Large buffers are cut into pieces of this many bytes.
 PIECE_BYTES = 8 << 20
 #: Buffers smaller than this are packed together until a piece holds this many bytes.
 PACK_BYTES = 1 << 20
+#: The largest piece a run of buffers expected to change is packed into (:func:`cut_planned`).
+CHANGING_PIECE_BYTES = 32 << 20
 
 
 def cut_pieces(buffers: Iterable[memoryview]) -> Iterator[memoryview]:
@@ -50,6 +60,66 @@ def cut_pieces(buffers: Iterable[memoryview]) -> Iterator[memoryview]:
             pack, packed = [], 0
     if pack:
         yield memoryview(b"".join(pack))
+
+
+
+def cut_planned(buffers: Iterable[memoryview], changing: Container[int]) -> Iterator[tuple[list[memoryview], set[int]]]:
+    """The pieces of a component given as ``buffers``, each as (its views, in
+    order; the indices of the buffers it holds bytes of). Buffers whose index
+    is not in ``changing`` are cut as :func:`cut_pieces` cuts them (a run of
+    them cut alone: small ones are packed until a changing buffer or the
+    end); each run of buffers in ``changing`` is packed into pieces of up to
+    :data:`CHANGING_PIECE_BYTES` made of views of the buffers (no copy; a
+    buffer is split across pieces where a piece fills up). Empty buffers hold
+    no bytes and are in no piece. With ``changing`` empty, the cuts are
+    exactly :func:`cut_pieces`'s."""
+    pack: list[memoryview] = []  # stable small buffers being packed
+    packed_idx: set[int] = set()
+    packed = 0
+    run: list[memoryview] = []  # the open piece of a changing run
+    run_idx: set[int] = set()
+    room = CHANGING_PIECE_BYTES
+
+    def flush_pack() -> Iterator[tuple[list[memoryview], set[int]]]:
+        nonlocal pack, packed_idx, packed
+        if pack:
+            yield [memoryview(b"".join(pack))], packed_idx
+            pack, packed_idx, packed = [], set(), 0
+
+    def flush_run() -> Iterator[tuple[list[memoryview], set[int]]]:
+        nonlocal run, run_idx, room
+        if run:
+            yield run, run_idx
+            run, run_idx, room = [], set(), CHANGING_PIECE_BYTES
+
+    for i, buf in enumerate(buffers):
+        if len(buf) == 0:
+            continue
+        if i in changing:
+            yield from flush_pack()
+            off = 0
+            while off < len(buf):
+                take = min(room, len(buf) - off)
+                run.append(buf[off : off + take])
+                run_idx.add(i)
+                off += take
+                room -= take
+                if room == 0:
+                    yield from flush_run()
+            continue
+        yield from flush_run()
+        if len(buf) >= PACK_BYTES:
+            yield from flush_pack()
+            for off in range(0, len(buf), PIECE_BYTES):
+                yield [buf[off : off + PIECE_BYTES]], {i}
+            continue
+        pack.append(buf)
+        packed_idx.add(i)
+        packed += len(buf)
+        if packed >= PACK_BYTES:
+            yield from flush_pack()
+    yield from flush_run()
+    yield from flush_pack()
 
 
 @dataclass(frozen=True)

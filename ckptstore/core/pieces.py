@@ -285,20 +285,26 @@ class PieceWriter:
             del self.damaged[:-DAMAGE_REPORTS]
         warnings.warn(line, DamagedPieceWarning, stacklevel=4)
 
-    def _still_intact(self, known: dict[str, PieceRef]) -> dict[str, PieceRef]:
-        """§9.2 "Evidence": the known pieces whose evidence still holds. One
-        listing per holder; a piece missing or of another size is dropped; a
-        piece with no evidence, whose (size, mtime, version) changed, or that is due for
-        its periodic re-hash (the ``ceil(n / REHASH_EVERY)`` longest unchecked)
-        is re-hashed and dropped unless it matches. A dropped piece is written
-        again by the save (under its own ID); what was found is reported."""
+    def _still_intact(self, known: dict[str, PieceRef]
+                      ) -> tuple[dict[str, PieceRef], dict[tuple[str, str], tuple[int, float, str]]]:
+        """§9.2 "Evidence": the known pieces whose listing still holds, and
+        those of them to re-hash before their first reuse by this save (with
+        the listing's evidence). One listing per holder; a piece missing or of
+        another size is dropped; a piece with no evidence, whose (size, mtime,
+        version) changed, or that is due for its periodic re-hash (the
+        ``ceil(n / REHASH_EVERY)`` longest unchecked) is re-hashed when the
+        save is about to reuse it (:meth:`SavePieces._reuse`), not before: a
+        piece the save writes anew (it changed) is never read. A dropped piece
+        is written again by the save (under its own ID); what was found is
+        reported."""
         there = {hd: lp for h in sorted({p.holder for p in known.values()})
                  for hd, lp in list_pieces(self.io, h).items()}
         with self._lock:
-            checked, evidence, n = dict(self.checked), dict(self.evidence), self.saves_begun
+            checked, evidence = dict(self.checked), dict(self.evidence)
         order = sorted(known.values(), key=lambda p: (checked.get((p.holder, p.digest), -1), p.holder, p.digest))
         due = {(p.holder, p.digest) for p in order[: math.ceil(len(order) / REHASH_EVERY)]}
         out: dict[str, PieceRef] = {}
+        suspect: dict[tuple[str, str], tuple[int, float, str]] = {}
         for d, p in known.items():
             hd = (p.holder, p.digest)
             got = there.get(hd)
@@ -309,27 +315,39 @@ class PieceWriter:
                 self._report(f"{where} has {got.size} bytes, the commit that named it says {p.size}: "
                              "written again under this save")
                 continue
-            if hd in checked and evidence.get(hd) == got.evidence and hd not in due:
-                out[d] = p
-                continue
-            with self._lock:
-                self.rehashed += 1
-            try:
-                seen, digest = self.io.hash_object(piece_key(self.io.run_id, *hd), p.size)
-            except NotFoundError:
-                continue
-            if seen != p.size or digest != p.digest:
-                self._report(f"{where} no longer matches its BLAKE3 (damaged since it was written): "
-                             "written again under this save")
-                continue
-            with self._lock:
-                self.checked[hd] = n
-                self.evidence[hd] = got.evidence
             out[d] = p
+            if not (hd in checked and evidence.get(hd) == got.evidence and hd not in due):
+                suspect[hd] = got.evidence
         if len(out) < len(known):
-            with self._lock:  # later saves do not reuse what failed either
-                self.known = {d: p for d, p in self.known.items() if d in out or d not in known}
-        return out
+            self._forget(set(known) - set(out))
+        return out, suspect
+
+    def _forget(self, digests: set[str]) -> None:
+        """Later saves do not reuse these known pieces either (they failed their evidence)."""
+        with self._lock:
+            self.known = {d: p for d, p in self.known.items() if d not in digests}
+
+    def _recheck(self, p: PieceRef, listed: tuple[int, float, str]) -> bool:
+        """Re-hash a known piece before its reuse (§9.2 "Evidence"): True when
+        it still matches its digest (its listing is then its evidence again)."""
+        with self._lock:
+            self.rehashed += 1
+            n = self.saves_begun
+        hd = (p.holder, p.digest)
+        try:
+            seen, digest = self.io.hash_object(piece_key(self.io.run_id, *hd), p.size)
+        except NotFoundError:
+            self._forget({p.digest})
+            return False
+        if seen != p.size or digest != p.digest:
+            self._report(f"piece {p.digest[:16]} of save {p.holder} no longer matches its BLAKE3 (damaged since it "
+                         "was written): written again under this save")
+            self._forget({p.digest})
+            return False
+        with self._lock:
+            self.checked[hd] = n
+            self.evidence[hd] = listed
+        return True
 
     def _settle_arming(self) -> None:
         """Wait for the intent write :meth:`learn` started, if any."""
@@ -377,11 +395,13 @@ class PieceWriter:
                  and self.timing.clock() > intent.record.created_at + RENEW_SHARE * self.timing.intent_ttl)
         if names and (intent is None or not names <= intent.names or stale):
             intent = self._arm(names)
+        suspect: dict[tuple[str, str], tuple[int, float, str]] = {}
         if known:
             # after the intent: an old one may have lapsed and gc swept what it named; and a piece is
             # reused only while the evidence that it is intact holds (§9.2 "Evidence")
-            known = self._still_intact(known)
-        save = SavePieces(self, save_id, known, left, intent, probe=probe, informed=informed, plan=plan)
+            known, suspect = self._still_intact(known)
+        save = SavePieces(self, save_id, known, left, intent, probe=probe, informed=informed, plan=plan,
+                          suspect=suspect)
         with self._lock:
             self._saves[save_id] = save
         return save
@@ -422,6 +442,7 @@ class SavePieces:
     reused_bytes: int = 0
     written_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _recheck_lock: threading.Lock = field(default_factory=threading.Lock)
     _left_by_digest: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: pieces of other saves this save relies on (its intent must name them)
     relied: set[tuple[str, str]] = field(default_factory=set)
@@ -433,6 +454,8 @@ class SavePieces:
     plan: dict[str, tuple[tuple[int, ...], frozenset[int]]] = field(default_factory=dict)
     #: per component, what this save saw (a probe's lesson, taken by ``PieceWriter.learn``)
     seen: dict[str, tuple[tuple[int, ...], frozenset[int]]] = field(default_factory=dict)
+    #: known pieces to re-hash before this save first reuses them, with their listing (§9.2 "Evidence")
+    suspect: dict[tuple[str, str], tuple[int, float, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for (holder, digest), size in self.left.items():
@@ -441,7 +464,22 @@ class SavePieces:
     def _reuse(self, digest: str, size: int) -> PieceRef | None:
         with self._lock:
             hit = self.known.get(digest) or self.written.get(digest)
+            due = hit is not None and (hit.holder, hit.digest) in self.suspect
         if hit is not None and hit.size == size:
+            if due:
+                # re-hashed once, before any component of this save relies on it; a second
+                # component reusing the same piece waits for that check's verdict
+                with self._recheck_lock:
+                    with self._lock:
+                        listed = self.suspect.get((hit.holder, hit.digest))
+                    ok = listed is None or self.owner._recheck(hit, listed)
+                    with self._lock:
+                        self.suspect.pop((hit.holder, hit.digest), None)
+                        if not ok:
+                            self.known.pop(digest, None)
+                        intact = self.known.get(digest) is hit
+                if not intact:
+                    return None
             return hit
         left = self._left_by_digest.get(digest)
         if left is not None and left[1] == size:

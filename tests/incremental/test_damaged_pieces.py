@@ -21,7 +21,7 @@ from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.core.pieces import REHASH_EVERY, DamagedPieceWarning
 from ckptstore.protocol.selection import SaveRef
-from tests.incremental.common import IDENT, RUN, long_timing, save
+from tests.incremental.common import FROZEN, IDENT, RUN, long_timing, save
 
 
 def open_writer(backend: Backend) -> CheckpointStore:
@@ -163,3 +163,30 @@ def test_the_periodic_rehash_costs_a_share_of_the_known_pieces_per_save(tmp_path
         read = {t.key for t in backend.trace[mark:] if t.op.startswith("get") and "/pieces/" in t.key}
         assert len(read) <= -(-known // REHASH_EVERY), (step, read)
     w.close()
+
+
+def test_a_known_piece_is_rehashed_only_when_a_save_reuses_it(tmp_path: Path) -> None:
+    """After a cheap resume every known piece lacks evidence, so each must be
+    re-hashed before it is reused; a save in which everything changed reuses
+    none and reads none (the check is at the reuse, not at the save's start)."""
+    backend = FaultyBackend(LocalBackend(tmp_path / "s"))
+    w = open_writer(backend)
+    save(w, 1)
+    w.close()
+    again = CheckpointStore.open(backend, RUN, identity=IDENT, protocol_version=3, piece_timing=long_timing(),
+                                 resume_verify="cheap")
+    mark = len(backend.trace)
+    save(again, 2, frozen=os.urandom(len(FROZEN)))  # the frozen part changed too: no known piece is reused
+    read = {t.key for t in backend.trace[mark:] if t.op.startswith("get") and "/pieces/" in t.key}
+    assert read == set(), read
+    again.close()
+    third = CheckpointStore.open(backend, RUN, identity=IDENT, protocol_version=3, piece_timing=long_timing(),
+                                 resume_verify="cheap")
+    ref = third.latest_complete()
+    assert ref is not None and ref.step == 2
+    frozen2 = third.read(ref, "model")[: len(FROZEN)]
+    mark = len(backend.trace)
+    save(third, 3, frozen=frozen2)  # step 2's frozen part again: its pieces are reused, so re-hashed first
+    read = {t.key for t in backend.trace[mark:] if t.op.startswith("get") and "/pieces/" in t.key}
+    assert read and all(ref.save_id in k for k in read), read
+    third.close()

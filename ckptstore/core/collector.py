@@ -130,10 +130,15 @@ def collect(
     return report
 
 
-def _commit_marks(catalog: Catalog, scan: Scan, deleted: list[SaveInfo]) -> dict[tuple[str, str], int] | str:
-    """Pieces named by every commit record gc did not delete; a reason instead
-    when one of them cannot be read (its pieces are unknown: sweep nothing)."""
-    gone = {(i.step, i.attempt) for i in deleted if i.state in (SaveState.COMMITTED, SaveState.SUPERSEDED)}
+def _commit_marks(catalog: Catalog, scan: Scan, deleted: list[SaveInfo]
+                  ) -> tuple[dict[tuple[str, str], int], set[str]] | str:
+    """Pieces named by every commit record gc did not delete, and the save IDs
+    of every commit record gc read (those it deleted included: §9.5 step 5's
+    settled holders); a reason instead when a remaining record cannot be read
+    (its pieces are unknown: sweep nothing)."""
+    committed = (SaveState.COMMITTED, SaveState.SUPERSEDED)
+    gone = {(i.step, i.attempt) for i in deleted if i.state in committed}
+    settled = {i.save_id for i in deleted if i.state in committed}
     marks: dict[tuple[str, str], int] = {}
     for sa, listed in sorted(scan.commits.items()):
         if sa in gone:
@@ -145,7 +150,8 @@ def _commit_marks(catalog: Catalog, scan: Scan, deleted: list[SaveInfo]) -> dict
         except CorruptionError as exc:  # unreadable, or a newer version's: what it names is unknown
             return f"commit record of step {sa[0]}, attempt {sa[1]} cannot be read ({str(exc)[:200]})"
         marks.update(rec.piece_refs())
-    return marks
+        settled.add(rec.save_id)
+    return marks, settled
 
 
 def sweep_pieces(
@@ -154,7 +160,8 @@ def sweep_pieces(
 ) -> None:
     """§9.5: mark from every kept commit and every live save intent, then
     delete the pieces of ``scan.pieces`` (listed before the commits) that
-    nothing marks and that are older than the grace period, all within half
+    nothing marks and that are older than the grace period or whose holder's
+    commit gc read (settled: step 5), all within half
     the window after the intents were listed; past it, the next round lists the
     intents again (reading only the ones that changed). Bounded: at most
     :data:`MAX_INTENTS` intents and :data:`MAX_INTENT_BYTES` of them, at most
@@ -164,11 +171,11 @@ def sweep_pieces(
     created does not decode) refuses the sweep. Every refusal or stop sets ``pieces_refused``."""
     io = catalog.io
     assert scan.pieces is not None
-    marks = _commit_marks(catalog, scan, deleted)
-    if isinstance(marks, str):
-        report.pieces_refused = f"{marks}; no piece is swept while a commit record cannot be read"
+    read = _commit_marks(catalog, scan, deleted)
+    if isinstance(read, str):
+        report.pieces_refused = f"{read}; no piece is swept while a commit record cannot be read"
         return
-    commit_marks = marks
+    commit_marks, settled = read
     todo: list[ListedPiece] | None = None
     expired: list[str] = []
     cache = IntentCache()
@@ -199,7 +206,7 @@ def sweep_pieces(
                 else:
                     marks.update(dict.fromkeys(rec.pieces, 0))
             plan = plan_sweep(todo if todo is not None else scan.pieces.values(), marks, now=scan.pieces_listed_at,
-                              grace_seconds=grace_seconds)
+                              grace_seconds=grace_seconds, settled=settled)
             if todo is None:
                 report.pieces_marked, report.pieces_young = plan.marked, plan.young
             todo = []

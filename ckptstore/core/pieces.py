@@ -9,6 +9,7 @@ this module does the I/O.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -80,6 +81,9 @@ class PieceTiming:
     #: within ``window`` (§9.5 "Assumptions"). Tests inject one to decide races
     #: without waiting.
     clock: Callable[[], float] = time.time
+    #: how a writer waits for its intent to be ``window`` old (§9.4 step 2); tests inject one to
+    #: see which saves wait, without waiting
+    sleep: Callable[[float], None] = time.sleep
 
 
 # --------------------------------------------------------------------- intents
@@ -204,6 +208,21 @@ class PieceWriter:
         #: whether the known pieces are of a save that cut every buffer alone (this writer's probe):
         #: only then does a probe's "written anew" mean "changed" (a packed buffer has no piece of its own)
         self.known_cut_alone = False
+        #: §9.4 "The anchor": the pieces of the newest commit this writer published, while it is the
+        #: newest commit of the run that is not superseded (empty: none). A save begun under it may rely
+        #: on them without waiting for the window, when no commit of this writer started since
+        self.anchor: frozenset[tuple[str, str]] = frozenset()
+        #: :attr:`commits_started` when the anchor was learned (-1: no anchor)
+        self.anchor_epoch = -1
+        #: commits this writer started creating (:meth:`publishing`)
+        self.commits_started = 0
+        #: the newest (step, attempt) this writer learned not from its own publication (its resume point):
+        #: a commit of its own is an anchor only above it
+        self._floor: tuple[int, int] | None = None
+        #: the newest (step, attempt) this writer published
+        self._newest_own: tuple[int, int] | None = None
+        #: held from a save's check before publishing until its commit returned (:meth:`publishing`)
+        self._publish_lock = threading.Lock()
 
     def active(self, save_id: str) -> SavePieces | None:
         """The pieces side of a save this writer staged and has not published."""
@@ -241,6 +260,7 @@ class PieceWriter:
             else:  # another process's commit (a resume point): probe before packing anything
                 self.changing, self.since_probe = {}, 0
             self.known_cut_alone = own is not None and own.probe
+            self._learn_anchor(rec, own is not None, names)
             # evidence is kept only for pieces still known; the pieces this process just wrote are
             # intact as of now (hashed while written): their evidence is the listing made below
             self.evidence = {hd: e for hd, e in self.evidence.items() if hd in names}
@@ -266,6 +286,39 @@ class PieceWriter:
         self._settle_arming()
         self._arming = threading.Thread(target=arm, name="ckptstore-intent", daemon=True)
         self._arming.start()
+
+    def _learn_anchor(self, rec: CommitRecord | None, own: bool, names: frozenset[tuple[str, str]]) -> None:
+        """§9.4 "The anchor" (under ``self._lock``): ``rec`` becomes the anchor when this writer
+        published it (``own``), of its own attempt, above its resume point and above every commit
+        it published before (so no commit that is not superseded is newer: saves of earlier
+        attempts above the resume point are superseded by this attempt). Anything else: no anchor."""
+        self.anchor, self.anchor_epoch = frozenset(), -1
+        if rec is None:
+            return
+        key = (rec.step, rec.attempt)
+        if not own:
+            self._floor = key if self._floor is None else max(self._floor, key)
+            return
+        newest = self._newest_own
+        self._newest_own = key if newest is None else max(newest, key)
+        if rec.attempt == self.attempt and (self._floor is None or key > self._floor) \
+                and (newest is None or key > newest):
+            self.anchor, self.anchor_epoch = names, self.commits_started
+
+    @contextlib.contextmanager
+    def publishing(self, save: SavePieces | None) -> Iterator[bool]:
+        """Around one publication of this writer, from its checks (§9.4) until its commit
+        record was created or failed: one at a time. Yields whether ``save`` may rely on
+        its anchor (:attr:`SavePieces.anchor`): it began under the anchor this writer
+        still holds, and no commit of this writer started since (a newer commit would let
+        a gc delete the anchor's commit and sweep what only it names). Counts the commit as
+        started on entry, so every save begun before it relies on its intent from then on."""
+        with self._publish_lock:
+            with self._lock:
+                ok = (save is not None and save.anchor_epoch >= 0
+                      and save.anchor_epoch == self.anchor_epoch == self.commits_started)
+                self.commits_started += 1
+            yield ok
 
     def _take_evidence(self, fresh: set[tuple[str, str]]) -> None:
         """Record the listing of pieces this process just wrote as their evidence (one listing per holder)."""
@@ -388,6 +441,7 @@ class PieceWriter:
             probe = not self.changing or self.since_probe >= PROBE_EVERY - 1
             plan = {} if probe else dict(self.changing)
             informed = bool(known) and self.known_cut_alone
+            anchor, anchor_epoch = self.anchor, self.anchor_epoch
         left = self._left_by_step(step, save_id, {p.holder for p in known.values()})
         names = frozenset((p.holder, p.digest) for p in known.values()) | frozenset(left)
         intent = self.intent
@@ -401,7 +455,7 @@ class PieceWriter:
             # reused only while the evidence that it is intact holds (§9.2 "Evidence")
             known, suspect = self._still_intact(known)
         save = SavePieces(self, save_id, known, left, intent, probe=probe, informed=informed, plan=plan,
-                          suspect=suspect)
+                          suspect=suspect, anchor=anchor, anchor_epoch=anchor_epoch)
         with self._lock:
             self._saves[save_id] = save
         return save
@@ -456,6 +510,9 @@ class SavePieces:
     seen: dict[str, tuple[tuple[int, ...], frozenset[int]]] = field(default_factory=dict)
     #: known pieces to re-hash before this save first reuses them, with their listing (§9.2 "Evidence")
     suspect: dict[tuple[str, str], tuple[int, float, str]] = field(default_factory=dict)
+    #: the writer's anchor when this save began, and its epoch (-1: none; §9.4 "The anchor")
+    anchor: frozenset[tuple[str, str]] = frozenset()
+    anchor_epoch: int = -1
 
     def __post_init__(self) -> None:
         for (holder, digest), size in self.left.items():
@@ -571,13 +628,15 @@ class SavePieces:
                     pass
         return ComponentEntry(name, sum(p.size for p in refs), pieces_digest(refs), tuple(refs))
 
-    def check_relied(self) -> PieceDeadline:
+    def check_relied(self, *, anchored: bool = False) -> PieceDeadline:
         """§9.4 steps 1-2, for this process's part of the save: it ran
         shorter than its intent's lifetime less the window; every piece of
         another save it relies on is named by its intent, which is at least
-        ``window`` old (waited for when needed) and not near expiry. Returns
-        the deadlines a coordinator re-checks at its publish (a rank's part,
-        :func:`check_deadlines`). Otherwise :class:`SaveAbortedError`."""
+        ``window`` old (waited for when needed) and not near expiry — except,
+        with ``anchored`` (from :meth:`PieceWriter.publishing`, the commit made
+        by this process), the pieces its anchor names, which need neither.
+        Returns the deadlines a coordinator re-checks at its publish (a rank's
+        part, :func:`check_deadlines`). Otherwise :class:`SaveAbortedError`."""
         timing = self.owner.timing
         elapsed = time.monotonic() - self.started
         if elapsed > timing.intent_ttl - timing.window:
@@ -588,23 +647,25 @@ class SavePieces:
         deadline = PieceDeadline(started_at=timing.clock() - elapsed, intent_expires_at=None)
         with self._lock:
             reused = set(self.relied)  # other processes' (ranks') reuse is under their own intents
+        if anchored:
+            reused -= self.anchor  # kept by every gc while this save publishes (§9.4 "The anchor")
         if reused:
             intent = self.intent
             if intent is None or not reused <= intent.names:
                 raise SaveAbortedError(f"save {self.save_id} relies on pieces no save intent names; nothing was published")
             wait = intent.landed + timing.window - time.monotonic()
             if wait > 0:
-                time.sleep(wait)
+                timing.sleep(wait)
             if timing.clock() > intent.record.expires_at - timing.window:
                 raise SaveAbortedError(f"save {self.save_id}: its save intent expired; nothing was published")
             deadline = PieceDeadline(deadline.started_at, intent.record.expires_at)
         return deadline
 
-    def check_before_publish(self, components: Mapping[str, ComponentEntry]) -> None:
-        """§9.4 at publish: :meth:`check_relied`, then every piece the save
-        names is there with its size. Otherwise :class:`SaveAbortedError`
-        (nothing published)."""
-        self.check_relied()
+    def check_before_publish(self, components: Mapping[str, ComponentEntry], *, anchored: bool = False) -> None:
+        """§9.4 at publish: :meth:`check_relied` (``anchored``: see there), then
+        every piece the save names is there with its size. Otherwise
+        :class:`SaveAbortedError` (nothing published)."""
+        self.check_relied(anchored=anchored)
         check_present(self.owner.io, components, self.save_id)
 
     def abort(self) -> None:

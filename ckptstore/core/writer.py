@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -304,9 +305,11 @@ def _settle_failed_commit(
 def _check(
     ctx: WriterContext, step: int, save_id: str, comps: dict[str, ComponentEntry],
     ranks: Mapping[int, Sequence[str]] | None, expect: Sequence[str], pieces: SavePieces | None,
+    anchored: bool = False,
 ) -> dict[int, tuple[str, ...]] | None:
     """Publish, step 1 (§4.3 steps 4-5): the inventory is complete and landed
-    (pieces included, §9.4), and no later attempt forked before this step.
+    (pieces included, §9.4; ``anchored``: the save may rely on its anchor,
+    ``PieceWriter.publishing``), and no later attempt forked before this step.
     Returns the rank map. Before raising, what was written is removed."""
     check_save_id(ctx, step, save_id)
     pending = [n for n, c in comps.items() if c.size < 0]
@@ -333,7 +336,7 @@ def _check(
                                 "cannot name pieces (version 3 and later)")
     try:
         if pieces is not None:
-            pieces.check_before_publish(comps)
+            pieces.check_before_publish(comps, anchored=anchored)
         elif pieced:
             problems = check_pieces(ctx.io, comps.values(), None, deep=False)
             if problems:
@@ -455,9 +458,10 @@ def publish(
     comps = dict(components)
     if pieces is None and ctx.pieces is not None:
         pieces = ctx.pieces.active(save_id)
-    rank_map = _check(ctx, step, save_id, comps, ranks, expect, pieces)
-    record = _seal(ctx, step, save_id, comps, metadata, rank_map, world_size)
-    commit_record(ctx, step, save_id, record, comps)
+    with _publishing(ctx, pieces) as anchored:
+        rank_map = _check(ctx, step, save_id, comps, ranks, expect, pieces, anchored)
+        record = _seal(ctx, step, save_id, comps, metadata, rank_map, world_size)
+        commit_record(ctx, step, save_id, record, comps)
     if ctx.pieces is not None:
         ctx.pieces.learn(record)  # the next save skips these pieces; their intent is written now
     return SaveRef.of(record)
@@ -507,18 +511,25 @@ def publish_part(ctx: WriterContext, record: CommitRecord, names: Sequence[str])
         raise SaveAbortedError(f"save of step {step}: component(s) {unknown[:5]} are not in the record; not published")
     mine = {n: record.components[n] for n in names}
     staged = ctx.pieces.active(save_id) if ctx.pieces is not None else None
-    try:
-        if staged is not None:
-            staged.check_before_publish(mine)
-        elif any(c.pieces is not None for c in mine.values()):
-            check_present(ctx.io, mine, save_id)
-        _verify_inventory(ctx, step, save_id, mine)
-        ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)
-    except BaseException:
-        remove_components(ctx.io, save_id, mine)
-        raise
-    commit_record(ctx, step, save_id, record, mine)
+    with _publishing(ctx, staged) as anchored:
+        try:
+            if staged is not None:
+                staged.check_before_publish(mine, anchored=anchored)
+            elif any(c.pieces is not None for c in mine.values()):
+                check_present(ctx.io, mine, save_id)
+            _verify_inventory(ctx, step, save_id, mine)
+            ctx.attempts.check_not_superseded(ctx.attempt, step, committed=False)
+        except BaseException:
+            remove_components(ctx.io, save_id, mine)
+            raise
+        commit_record(ctx, step, save_id, record, mine)
     return SaveRef.of(record)
+
+
+def _publishing(ctx: WriterContext, pieces: SavePieces | None) -> AbstractContextManager[bool]:
+    """A publication's checks and commit, one at a time per piece writer (version 3:
+    ``PieceWriter.publishing``, which also says whether the save may rely on its anchor)."""
+    return ctx.pieces.publishing(pieces) if ctx.pieces is not None else nullcontext(False)
 
 
 class SaveWriter:

@@ -20,12 +20,13 @@ changed gets pieces of its own, as under :func:`cut_pieces`.
 
 **Sweeping.** :func:`plan_sweep` decides which listed pieces gc deletes:
 only pieces that nothing marks (no kept commit, no live save intent) and whose
-last write is older than the grace period.
+last write is older than the grace period or whose holder's commit gc read
+(a committed save writes nothing under its own ID again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Collection, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 #: Large buffers are cut into pieces of this many bytes.
@@ -155,16 +156,19 @@ class SweepPlan:
 
 def plan_sweep(
     listed: Iterable[ListedPiece], marks: Mapping[tuple[str, str], object] | set[tuple[str, str]], *,
-    now: float, grace_seconds: float,
+    now: float, grace_seconds: float, settled: Collection[str] = (),
 ) -> SweepPlan:
     """Which listed pieces may go: those whose (holder, digest) no mark names
-    and whose last write is at least ``grace_seconds`` before ``now``. A piece a
-    mark names is never in the plan, whatever its age."""
+    and whose last write is at least ``grace_seconds`` before ``now`` — or,
+    whatever their age, whose holder is in ``settled`` (save IDs of commit
+    records gc read: a committed save writes no piece under its own ID again,
+    and anything else writes under another save's ID only while an intent
+    names the piece, §9.5 step 5). A piece a mark names is never in the plan."""
     plan = SweepPlan()
     for p in listed:
         if (p.holder, p.digest) in marks:
             plan.marked += 1
-        elif now - p.mtime < grace_seconds:
+        elif p.holder not in settled and now - p.mtime < grace_seconds:
             plan.young += 1
         else:
             plan.delete.append(p)

@@ -93,7 +93,7 @@ class DurableIntent:
         assert self.armed is not None
         wait = self.armed.landed + self.timing.window - time.monotonic()
         if wait > 0:
-            time.sleep(wait)
+            self.timing.sleep(wait)
 
     def protect(self, rec: CommitRecord, *, every: bool = False) -> Names:
         """Before a replication of ``rec`` uploads anything: the pieces of
@@ -108,7 +108,11 @@ class DurableIntent:
         when this returns, and :meth:`check_live` then requires it live."""
         need = rec.piece_refs()
         reuse = {hd for hd, size in need.items() if self.known.get(hd) == size}
-        guard = set(need) if every else reuse
+        # a piece under another save's ID that is not skipped is uploaded under that ID: the
+        # durable gc may sweep it at any age once it read that save's commit (§9.5 step 5), so
+        # an intent must name it too (§9.6 step 2)
+        foreign = {hd for hd in need if hd[0] != rec.save_id}
+        guard = set(need) if every else reuse | foreign
         if not self.doubtful and (not guard or self._covers(guard)):
             if guard:
                 self._wait_window()
@@ -122,7 +126,7 @@ class DurableIntent:
             there.update({hd: p.size for hd, p in list_pieces(self.io, holder).items()})
         self.doubtful = False
         have = {hd: size for hd, size in need.items() if there.get(hd) == size}
-        self.relying = bool(have) or (every and bool(need))
+        self.relying = bool(have) or bool(foreign) or (every and bool(need))
         return have
 
     def check_live(self, rec: CommitRecord, started: float) -> None:

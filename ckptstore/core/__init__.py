@@ -38,6 +38,7 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     core.fencing              attempts, fences, heartbeats
     core.commit_names         which commit records a run has, newest first
     core.selection_limits     what selection may conclude without reading
+    core.piece_evidence       when a known piece may be reused unread (the re-hash rule), the pieces listing
     core.pieces               pieces addressed by content, save intents
     core.record_pack          a cache of a run's commit-record bytes in one object (S3)
     core.catalog              the candidate walk: select, list, verify

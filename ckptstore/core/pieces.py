@@ -10,7 +10,6 @@ this module does the I/O.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 import warnings
@@ -39,6 +38,7 @@ from ..protocol.records import MAX_INTENT_RECORD, IntentRecord, PieceRef, pieces
 from ..protocol.selection import SkipReason
 from .bounded_io import RunIO
 from .hashing import CHUNK, Scatter, iter_chunks
+from .piece_evidence import Evidence, PieceEvidence, list_pieces
 
 Problems = list[tuple[SkipReason, str]]
 #: Pieces uploaded at the same time by one ``put``.
@@ -47,8 +47,6 @@ UPLOAD_CONCURRENCY = 4
 SETTLE_BATCH = 32
 #: An intent older than this share of its lifetime is renewed before a save relies on it.
 RENEW_SHARE = 0.5
-#: Every known piece a writer reuses is re-hashed at least once every this many saves (§9.2 "Evidence").
-REHASH_EVERY = 8
 #: Damage reports a writer keeps (``PieceWriter.damaged``), newest last.
 DAMAGE_REPORTS = 100
 #: Every this many saves a writer cuts every buffer alone again (*probes*, §9.2 "Packing what
@@ -163,17 +161,6 @@ def list_intents(io: RunIO, cache: IntentCache | None = None, *, max_count: int 
     return good, bad
 
 
-def list_pieces(io: RunIO, holder: str | None = None) -> dict[tuple[str, str], ListedPiece]:
-    """The run's pieces (or one holder's), by (holder, digest); other keys under ``pieces/`` are ignored."""
-    prefix = pieces_prefix(io.run_id) + (f"{holder}/" if holder is not None else "")
-    out: dict[tuple[str, str], ListedPiece] = {}
-    for o in io.list(prefix):
-        hd = parse_piece_key(io.run_id, o.key)
-        if hd is not None:
-            out[hd] = ListedPiece(o.key, hd[0], hd[1], o.size, o.mtime, o.version)
-    return out
-
-
 class PieceWriter:
     """One writer's view of the run's pieces: the pieces of the newest commit
     it knows (in memory, never listed per piece) and the save intent naming
@@ -189,17 +176,11 @@ class PieceWriter:
         self._saves: dict[str, SavePieces] = {}
         #: the intent write :meth:`learn` started in the background (joined before any other use of the intent)
         self._arming: threading.Thread | None = None
-        #: saves begun by this writer (the clock of the periodic re-hash)
-        self.saves_begun = 0
-        #: evidence per known piece (§9.2 "Evidence"): (holder, digest) -> (size, mtime, version) its listing showed
-        #: while the piece was known intact
-        self.evidence: dict[tuple[str, str], tuple[int, float, str]] = {}
-        #: (holder, digest) -> ``saves_begun`` when this writer last wrote or re-hashed the piece
-        self.checked: dict[tuple[str, str], int] = {}
+        #: what this writer knows of the pieces it wrote or re-hashed (§9.2 "Evidence"; its ``uses``
+        #: are the saves begun, its ``rehashed`` the pieces read again)
+        self.evidence = PieceEvidence(io)
         #: what the evidence checks found (one line per piece, newest last, at most DAMAGE_REPORTS)
         self.damaged: list[str] = []
-        #: pieces re-hashed by the evidence checks (tests and benchmarks count them)
-        self.rehashed = 0
         #: per component, what the last informed probe save saw (§9.2 "Packing what changes"): the
         #: sizes of its buffers and the indices of those it wrote anew (changed since the save before)
         self.changing: dict[str, tuple[tuple[int, ...], frozenset[int]]] = {}
@@ -263,14 +244,11 @@ class PieceWriter:
             self._learn_anchor(rec, own is not None, names)
             # evidence is kept only for pieces still known; the pieces this process just wrote are
             # intact as of now (hashed while written): their evidence is the listing made below
-            self.evidence = {hd: e for hd, e in self.evidence.items() if hd in names}
-            self.checked = {hd: n for hd, n in self.checked.items() if hd in names}
             fresh = {(own.save_id, d) for d in own.written} & names if own is not None else set()
             if verified:
                 fresh = set(names)
-            for hd in fresh:
-                self.checked[hd] = self.saves_begun
-                self.evidence.pop(hd, None)
+            self.evidence.retain(names, fresh)
+            sizes = {(p.holder, p.digest): p.size for p in known.values()}
 
         def arm() -> None:
             try:
@@ -279,7 +257,7 @@ class PieceWriter:
                 pass  # the save is published; the next save writes its intent before relying on these pieces
             if fresh:
                 try:
-                    self._take_evidence(fresh)
+                    self.evidence.take({hd: sizes[hd] for hd in fresh})
                 except CkptStoreError:
                     pass  # no evidence: the next save re-hashes these pieces before reusing them
 
@@ -320,18 +298,6 @@ class PieceWriter:
                 self.commits_started += 1
             yield ok
 
-    def _take_evidence(self, fresh: set[tuple[str, str]]) -> None:
-        """Record the listing of pieces this process just wrote as their evidence (one listing per holder)."""
-        there: dict[tuple[str, str], ListedPiece] = {}
-        for h in sorted({h for h, _ in fresh}):
-            there.update(list_pieces(self.io, h))
-        with self._lock:
-            sizes = {(p.holder, p.digest): p.size for p in self.known.values()}
-            for hd in fresh:
-                got = there.get(hd)
-                if got is not None and sizes.get(hd) == got.size:
-                    self.evidence[hd] = got.evidence
-
     def _report(self, line: str) -> None:
         with self._lock:
             self.damaged.append(line)
@@ -339,38 +305,20 @@ class PieceWriter:
         warnings.warn(line, DamagedPieceWarning, stacklevel=4)
 
     def _still_intact(self, known: dict[str, PieceRef]
-                      ) -> tuple[dict[str, PieceRef], dict[tuple[str, str], tuple[int, float, str]]]:
-        """§9.2 "Evidence": the known pieces whose listing still holds, and
-        those of them to re-hash before their first reuse by this save (with
-        the listing's evidence). One listing per holder; a piece missing or of
-        another size is dropped; a piece with no evidence, whose (size, mtime,
-        version) changed, or that is due for its periodic re-hash (the
-        ``ceil(n / REHASH_EVERY)`` longest unchecked) is re-hashed when the
-        save is about to reuse it (:meth:`SavePieces._reuse`), not before: a
-        piece the save writes anew (it changed) is never read. A dropped piece
-        is written again by the save (under its own ID); what was found is
-        reported."""
-        there = {hd: lp for h in sorted({p.holder for p in known.values()})
-                 for hd, lp in list_pieces(self.io, h).items()}
-        with self._lock:
-            checked, evidence = dict(self.checked), dict(self.evidence)
-        order = sorted(known.values(), key=lambda p: (checked.get((p.holder, p.digest), -1), p.holder, p.digest))
-        due = {(p.holder, p.digest) for p in order[: math.ceil(len(order) / REHASH_EVERY)]}
-        out: dict[str, PieceRef] = {}
-        suspect: dict[tuple[str, str], tuple[int, float, str]] = {}
-        for d, p in known.items():
-            hd = (p.holder, p.digest)
-            got = there.get(hd)
-            where = f"piece {p.digest[:16]} of save {p.holder}"
-            if got is None:
-                continue  # swept (its intent lapsed) or removed: written again, as before
-            if got.size != p.size:
-                self._report(f"{where} has {got.size} bytes, the commit that named it says {p.size}: "
-                             "written again under this save")
-                continue
-            out[d] = p
-            if not (hd in checked and evidence.get(hd) == got.evidence and hd not in due):
-                suspect[hd] = got.evidence
+                      ) -> tuple[dict[str, PieceRef], dict[tuple[str, str], Evidence]]:
+        """§9.2 "Evidence" (:class:`~ckptstore.core.piece_evidence.PieceEvidence`, the one
+        rule): the known pieces whose listing still holds, and those of them to
+        re-hash before their first reuse by this save (with the listing's
+        evidence), which happens when the save is about to reuse one
+        (:meth:`SavePieces._reuse`), not before: a piece the save writes anew
+        (it changed) is never read. A piece missing or of another size is
+        dropped and written again by the save (under its own ID); what was
+        found is reported."""
+        suspect, dropped = self.evidence.triage({(p.holder, p.digest): p.size for p in known.values()})
+        for why in dropped.values():
+            if why:
+                self._report(f"{why}: written again under this save")
+        out = {d: p for d, p in known.items() if (p.holder, p.digest) not in dropped}
         if len(out) < len(known):
             self._forget(set(known) - set(out))
         return out, suspect
@@ -380,27 +328,16 @@ class PieceWriter:
         with self._lock:
             self.known = {d: p for d, p in self.known.items() if d not in digests}
 
-    def _recheck(self, p: PieceRef, listed: tuple[int, float, str]) -> bool:
+    def _recheck(self, p: PieceRef, listed: Evidence) -> bool:
         """Re-hash a known piece before its reuse (§9.2 "Evidence"): True when
         it still matches its digest (its listing is then its evidence again)."""
-        with self._lock:
-            self.rehashed += 1
-            n = self.saves_begun
-        hd = (p.holder, p.digest)
-        try:
-            seen, digest = self.io.hash_object(piece_key(self.io.run_id, *hd), p.size)
-        except NotFoundError:
-            self._forget({p.digest})
-            return False
-        if seen != p.size or digest != p.digest:
-            self._report(f"piece {p.digest[:16]} of save {p.holder} no longer matches its BLAKE3 (damaged since it "
-                         "was written): written again under this save")
-            self._forget({p.digest})
-            return False
-        with self._lock:
-            self.checked[hd] = n
-            self.evidence[hd] = listed
-        return True
+        why = self.evidence.recheck((p.holder, p.digest), p.size, listed)
+        if why is None:
+            return True
+        if why:
+            self._report(f"{why}: written again under this save")
+        self._forget({p.digest})
+        return False
 
     def _settle_arming(self) -> None:
         """Wait for the intent write :meth:`learn` started, if any."""
@@ -435,9 +372,9 @@ class PieceWriter:
         failed save reuses them once they verify); the intent is renewed when
         it does not name them all or is half way through its life."""
         self._settle_arming()
+        self.evidence.begin()
         with self._lock:
             known = dict(self.known)
-            self.saves_begun += 1
             probe = not self.changing or self.since_probe >= PROBE_EVERY - 1
             plan = {} if probe else dict(self.changing)
             informed = bool(known) and self.known_cut_alone

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 
 from ..core.bounded_io import RunIO
-from ..core.pieces import RENEW_SHARE, PieceTiming, list_pieces
+from ..core.piece_evidence import list_pieces
+from ..core.pieces import RENEW_SHARE, PieceTiming
 from ..errors import SaveAbortedError
 from ..protocol import CommitRecord
 from ..protocol.layout import new_intent_key

@@ -39,7 +39,8 @@ from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, part_names
 from ..core.commit_names import CommitKeys
 from ..core.fencing import AttemptLog
-from ..core.pieces import PieceTiming, check_pieces, list_pieces
+from ..core.piece_evidence import list_pieces
+from ..core.pieces import PieceTiming, check_pieces
 from ..core.record_auth import RecordAuth
 from ..errors import CkptStoreError, TransientError
 from ..protocol import CommitRecord, save_prefix

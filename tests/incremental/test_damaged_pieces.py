@@ -19,7 +19,8 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.core.pieces import REHASH_EVERY, DamagedPieceWarning
+from ckptstore.core.piece_evidence import REHASH_EVERY
+from ckptstore.core.pieces import DamagedPieceWarning
 from ckptstore.protocol.selection import SaveRef
 from tests.incremental.common import FROZEN, IDENT, RUN, long_timing, save
 

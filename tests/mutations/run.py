@@ -255,6 +255,46 @@ MUTATIONS: list[Mutation] = [
         ("tests/fail_closed/test_hf_planted.py::test_a_planted_sparse_file_is_refused_before_a_byte_is_uploaded",),
         backends="local",
     ),
+    # ---- issue 32: version 3 at version 2's cost
+    Mutation(
+        "anchor-from-resume-point",
+        "the resume point is no anchor: the first save after a restart waits for its intent (PROTOCOL §9.4)",
+        "ckptstore/core/pieces.py",
+        (("""        if not own:
+            self._floor = key if self._floor is None else max(self._floor, key)
+            return
+""", """        if not own:
+            self.anchor, self.anchor_epoch = names, self.commits_started
+            return
+"""),),
+        ("tests/incremental/test_anchor.py::test_the_first_save_after_a_restart_waits_for_its_intent",),
+        backends="memory",
+    ),
+    Mutation(
+        "anchor-after-another-commit",
+        "a save begun before another commit of its writer relies on its intent, not the anchor (PROTOCOL §9.4)",
+        "ckptstore/core/pieces.py",
+        (("and save.anchor_epoch == self.anchor_epoch == self.commits_started)", "and save.anchor_epoch >= 0)"),),
+        ("tests/incremental/test_anchor.py::test_a_save_begun_before_another_commit_of_its_writer_waits",),
+        backends="memory",
+    ),
+    Mutation(
+        "sweep-ignores-age",
+        "an unmarked piece of an uncommitted holder waits out the grace period (PROTOCOL §9.5 step 5)",
+        "ckptstore/protocol/pieces.py",
+        (("        elif p.holder not in settled and now - p.mtime < grace_seconds:\n", "        elif False:\n"),),
+        ("tests/incremental/test_settled_sweep.py::test_a_killed_saves_pieces_wait_out_the_grace",
+         "tests/incremental/test_gc_races.py::test_a_killed_writers_intent_expires"),
+        backends="memory",
+    ),
+    Mutation(
+        "replication-foreign-unnamed",
+        "a replication names in its intent what it uploads under another save's ID (PROTOCOL §9.6 step 2)",
+        "ckptstore/tiers/durable_intent.py",
+        (("        guard = set(need) if every else reuse | foreign\n", "        guard = set(need) if every else reuse\n"),),
+        ("tests/incremental/test_settled_sweep.py::test_a_replication_names_what_it_uploads_under_another_saves_id",),
+        backends="memory",
+    ),
 ]
 
 

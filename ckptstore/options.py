@@ -62,8 +62,8 @@ class TierOptions:
     #: the local commit (durable sooner, at the cost of local-save speed when the two compete)
     early_replication: bool = False
     #: many ranks: the ranks on other nodes that also hold each rank's local part (``docs/tiers.md``
-    #: "Peer copies"). None: 1 where the run can (protocol version 1 or 2; on a version-3 run they are
-    #: off, with a ``PeerCopiesOffWarning``); 0: off. Capped at the number of other nodes
+    #: "Peer copies"; a version-3 part travels as its pieces, those the holder lacks). None: 1; 0: off.
+    #: Capped at the number of other nodes
     peer_copies: int | None = None
     #: this process's node for the peer copies (default: torchrun's ``GROUP_RANK``, else the host name);
     #: ranks of one node never hold each other's copies
@@ -150,10 +150,6 @@ def check_combination(o: OpenOptions, *, pieces: bool, joined: bool = False) -> 
         (t.peer_copies and t.rank is None and not joined,
          "peer_copies is for many ranks (ckptstore.distributed.open_distributed); one process has no peers "
          "(open without peer_copies)"),
-        # the copies carry whole components; a version-3 part is pieces shared across saves
-        (bool(t.peer_copies) and pieces,
-         "peer_copies is not available on a protocol version 3 run (pieces) yet: open with "
-         "TierOptions(peer_copies=0), or the run at protocol version 2"),
         (t.early_replication and pieces,
          "early_replication is not available on a protocol version 3 run (pieces): "
          "its replication already copies only the pieces the durable tier lacks; open "

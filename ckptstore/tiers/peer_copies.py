@@ -58,19 +58,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.bounded_io import RunIO
 from ..core.catalog import part_names
 from ..core.fencing import AttemptLog
+from ..core.piece_evidence import PieceEvidence
 from ..core.record_auth import RecordAuth
 from ..errors import CkptStoreError, InvalidInputError
 from ..protocol import ComponentEntry
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
 from .local import LocalTier
-from .peer_frames import PeerCopyError, PeerLink, receive_frame, receive_part, send_part
+from .peer_frames import FrameObject, PeerCopyError, PeerLink, receive_frame, receive_part, send_part
 from .replicator import PeerStatus
 from .tier_dir import peer_folder
 
-__all__ = ["MAX_WAITING", "PEER_WAIT_SECONDS", "PeerCopies", "assign_receivers", "copy_pairs", "node_name", "open_peer_folder"]
+__all__ = ["MAX_WAITING", "PEER_WAIT_SECONDS", "HeldPieces", "PeerCopies", "assign_receivers", "copy_pairs",
+           "node_name", "open_peer_folder"]
 
 #: acknowledged saves waiting for the copy thread at most; beyond it the oldest are skipped (newest wins)
 MAX_WAITING = 2
@@ -136,13 +139,13 @@ class _Pair:
 class PeerCopies:
     """This rank's side of the peer copies of a job (see the module docstring):
     a daemon thread fed with each acknowledged save (:meth:`submit`), never
-    blocking the caller. ``read(ref, name, entry)`` streams a component of
-    this rank's own local copy of ``ref``, verified; ``folder(sender)`` opens
-    the peer folder this rank keeps of ``sender``'s parts (its records
+    blocking the caller. ``read(key, entry)`` streams an object (a component
+    or a piece) of this rank's own local tier, verified; ``folder(sender)``
+    opens the peer folder this rank keeps of ``sender``'s parts (its records
     mirrored); ``record`` writes a ledger event (best effort)."""
 
     def __init__(self, link: PeerLink, receivers: Mapping[int, Sequence[int]], *, run_id: str,
-                 read: Callable[[SaveRef, str, ComponentEntry], Iterator[bytes]],
+                 read: Callable[[str, ComponentEntry], Iterator[bytes]],
                  folder: Callable[[int], LocalTier], keep: int,
                  record: Callable[[str, Mapping[str, Any]], None]) -> None:
         self.link, self.rank, self.run_id = link, link.rank, run_id
@@ -151,6 +154,8 @@ class PeerCopies:
         self._status = {("sends-to", h): _Pair(h, "sends-to") for s, h in self.pairs if s == self.rank}
         self._status |= {("receives-from", s): _Pair(s, "receives-from") for s, h in self.pairs if h == self.rank}
         self._tiers: dict[int, LocalTier] = {}
+        #: per sender, the pieces this rank holds of its parts (version 3: not asked for again)
+        self._held: dict[int, HeldPieces] = {}
         self._queue: queue.Queue[SaveRef | None] = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -259,28 +264,28 @@ class PeerCopies:
             if s == self.rank:
                 p = self._status[("sends-to", h)]
                 names = sorted(mine if mine is not None else ref.record.components)
-                def read(n: str, e: ComponentEntry) -> Iterator[bytes]:
-                    return self._read(ref, n, e)
-
                 if not send:
-                    send_part(self.link, h, ref.step, None, read, names)
+                    send_part(self.link, h, ref.step, None, self._read, names)
                     with self._lock:
                         p.skipped += 1
                     landed = False
                     continue
-                failed = send_part(self.link, h, ref.step, rec_bytes, read, names)
+                sent = send_part(self.link, h, ref.step, rec_bytes, self._read, names)
+                why = (f"own copy unreadable, sent as zeros: {sent.failed[0]}" if sent.failed else
+                       f"rank {h} refused the copy (its ledger says why)" if sent.refused else None)
                 with self._lock:
                     p.last_step = ref.step
                     p.copies += 1
-                    p.nbytes += sum(ref.record.components[n].size for n in names)
-                    if failed:
+                    p.nbytes += sent.nbytes
+                    if why is not None:
                         p.failures += 1
-                        p.last_error = f"own copy unreadable, sent as zeros: {failed[0]}"[:500]
-                if failed:
+                        p.last_error = why[:500]
+                if why is not None:
                     landed = False
-                    with contextlib.suppress(Exception):
-                        self._record("peer-copy-failed", {"rank": self.rank, "to": h, "step": ref.step,
-                                                          "why": p.last_error})
+                    if sent.failed:
+                        with contextlib.suppress(Exception):
+                            self._record("peer-copy-failed", {"rank": self.rank, "to": h, "step": ref.step,
+                                                              "why": why[:500]})
             elif h == self.rank:
                 landed = self._receive(s, ref, rec_bytes) and landed
         return landed
@@ -299,6 +304,8 @@ class PeerCopies:
                 p.failures += 1
                 p.last_error = f"step {frame.step}: the record sent is not the save acknowledged here; not kept"
             return False
+        held = self._held.get(sender)
+        asked: list[bool] = []
         try:
             tier = self._tiers.get(sender)
             if tier is None:
@@ -307,11 +314,22 @@ class PeerCopies:
                 except BaseException:
                     frame.drain()  # the frame stays in step whatever happened here
                     raise
-            receive_part(frame, tier)
+            if held is None:
+                held = self._held[sender] = HeldPieces(tier.io)
+
+            def need(objects: Sequence[FrameObject]) -> list[bool]:
+                asked[:] = held.need(objects)
+                return asked
+
+            receive_part(frame, tier, need)
+            if frame.pieced:
+                held.landed(frame.objects, asked)
             tier.gc(keep_last=self.keep)
         except PeerCopyError:
             raise  # the link itself failed (a peer gone, a deadline): out of step, the copies stop
         except (CkptStoreError, OSError) as exc:
+            if held is not None:
+                held.forget()  # the next copy asks for every piece again
             why = f"step {ref.step}: {type(exc).__name__}: {exc}"[:500]
             with self._lock:
                 p.failures += 1
@@ -319,11 +337,50 @@ class PeerCopies:
             with contextlib.suppress(Exception):
                 self._record("peer-copy-failed", {"rank": self.rank, "from": sender, "step": ref.step, "why": why})
             return False
+        got = sum(o.entry.size for o, n in zip(frame.objects, asked, strict=True) if n) if asked else \
+            sum(o.entry.size for o in frame.objects)
         with self._lock:
             p.last_step = ref.step
             p.copies += 1
-            p.nbytes += sum(frame.record.components[n].size for n in frame.names)
+            p.nbytes += got
         return True
+
+
+class HeldPieces:
+    """What a holder knows of the pieces in one peer folder (version 3): those
+    of the newest copy it landed there in this process, which the next copy
+    does not ask for while their evidence holds (§9.2 "Evidence", the one rule:
+    :class:`~ckptstore.core.piece_evidence.PieceEvidence`). A piece with no
+    evidence, a changed listing, or due for its periodic re-hash is re-hashed
+    here first; one missing, of another size or damaged is asked for again.
+    After a restart nothing is known: the first copy carries every piece."""
+
+    def __init__(self, io: RunIO) -> None:
+        #: (holder, digest) -> size of the pieces of the newest copy landed
+        self.known: dict[tuple[str, str], int] = {}
+        self.evidence = PieceEvidence(io)
+
+    def need(self, objects: Sequence[FrameObject]) -> list[bool]:
+        """For each object of a frame, whether the sender is to send it."""
+        self.evidence.begin()
+        reuse = {o.piece: o.entry.size for o in objects
+                 if o.piece is not None and self.known.get(o.piece) == o.entry.size}
+        suspect, dropped = self.evidence.triage(reuse)
+        intact = {hd for hd, size in reuse.items() if hd not in dropped
+                  and (hd not in suspect or self.evidence.recheck(hd, size, suspect[hd]) is None)}
+        return [o.piece is None or o.piece not in intact for o in objects]
+
+    def landed(self, objects: Sequence[FrameObject], sent: Sequence[bool]) -> None:
+        """A copy of ``objects`` landed, those of ``sent`` written (and hashed) just now."""
+        names = {o.piece: o.entry.size for o in objects if o.piece is not None}
+        fresh = {o.piece for o, s in zip(objects, sent, strict=True) if s and o.piece is not None}
+        self.known = names
+        self.evidence.retain(names, fresh)
+        with contextlib.suppress(CkptStoreError, OSError):  # no evidence: re-hashed before the next reuse
+            self.evidence.take({hd: names[hd] for hd in fresh})
+
+    def forget(self) -> None:
+        self.known = {}
 
 
 def open_peer_folder(local_tier: str | os.PathLike[str], holder: int, sender: int, run_id: str,

@@ -21,7 +21,7 @@ from ..core.catalog import Catalog, part_names
 from ..core.fencing import AttemptLog
 from ..core.record_auth import RecordAuth
 from ..errors import CkptStoreError, CorruptionError, NotFoundError
-from ..protocol import AttemptRecord, CommitRecord, attempt_key, component_key, run_record_key
+from ..protocol import AttemptRecord, CommitRecord, attempt_key, run_record_key
 from ..protocol.selection import SaveRef, superseded_by
 from ..retry import RetryPolicy
 from .local import MAX_RUN_RECORD, LocalTier
@@ -183,13 +183,14 @@ def send_held_part(link: PeerLink, dst: int, local_tier: str | os.PathLike[str],
     attempt)`` from the peer folder it keeps of ``owner`` (a write-back at
     resume). A folder or record that cannot be read sends a "nothing" frame
     (the receiver then does not hold the save); a component that fails to
-    read is sent as zeros (the receiver's digest refuses it). Returns what failed."""
+    read is sent as zeros (the receiver's digest refuses it). Returns what failed
+    (a frame of pieces the owner refused included)."""
     try:
         backend = open_tier_dir(local_tier, owner, create=False, folder=peer_folder(holder, owner))
         if backend is None:
             raise PeerCopyError(f"rank {holder} holds no peer folder of rank {owner}")
     except CkptStoreError as exc:
-        send_part(link, dst, step, None, lambda n, e: iter(()), [])
+        send_part(link, dst, step, None, lambda k, e: iter(()), [])
         return [str(exc)[:300]]
     try:
         io = RunIO(backend, run_id, None)
@@ -198,13 +199,14 @@ def send_held_part(link: PeerLink, dst: int, local_tier: str | os.PathLike[str],
         data = rec.encode()
     except (CkptStoreError, OSError) as exc:
         backend.close()
-        send_part(link, dst, step, None, lambda n, e: iter(()), [])
+        send_part(link, dst, step, None, lambda k, e: iter(()), [])
         return [f"{type(exc).__name__}: {exc}"[:300]]
     try:
         mine = part_names(rec, owner)
         names = sorted(mine if mine is not None else rec.components)
-        return send_part(link, dst, step, data, lambda n, e: io.verified_chunks(
-            component_key(run_id, rec.save_id, n), e, f"rank {holder}'s peer copy of {n!r}"), names)
+        sent = send_part(link, dst, step, data, lambda k, e: io.verified_chunks(
+            k, e, f"rank {holder}'s peer copy of {k.rsplit('/', 1)[-1]!r}"), names)
+        return sent.failed + ([f"rank {owner} refused the write-back"] if sent.refused else [])
     finally:
         backend.close()
 

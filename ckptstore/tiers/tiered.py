@@ -46,7 +46,7 @@ from ..errors import (
     StoreUnavailableError,
     TransientError,
 )
-from ..protocol import AttemptRecord, CommitRecord, ComponentEntry, component_key, run_record_key
+from ..protocol import AttemptRecord, CommitRecord, ComponentEntry, run_record_key
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
 from ..util.shutdown import before_pools_stop
@@ -129,7 +129,8 @@ class _EarlyStaged(StagedSave):
 
 
 class PeerCopiesOffWarning(UserWarning):
-    """Peer copies were asked for by default but this run cannot have them (``TierOptions.peer_copies``)."""
+    """No longer raised: peer copies now work on every protocol version (a version-3 part travels as
+    the pieces its holder lacks). Kept for one release so that warning filters naming it still import."""
 
 
 class NotDurableAtExitWarning(UserWarning):
@@ -385,18 +386,11 @@ class TierSet:
         if job is None or job.link is None:
             self.peers_off = getattr(job, "off", None) or "no peer transport (open with open_distributed)"
             return
-        if self.durable_io.layout.pieces:
-            self.peers_off = "protocol version 3 (pieces): peer copies carry whole components"
-            warnings.warn(
-                f"rank {self.rank}: peer copies are off on this protocol version 3 run (pieces); losing a node's "
-                "disk costs the steps since the newest durable save. Fix: a version-2 run, or "
-                "TierOptions(peer_copies=0) to say so and silence this", PeerCopiesOffWarning, stacklevel=2)
-            return
         run_id = self.durable_io.run_id
 
-        def read(ref: SaveRef, name: str, entry: ComponentEntry) -> Iterator[bytes]:
-            return self.local.io.verified_chunks(component_key(run_id, ref.save_id, name), entry,
-                                                 f"rank {self.rank}'s local copy of {name!r}")
+        def read(key: str, entry: ComponentEntry) -> Iterator[bytes]:
+            return self.local.io.verified_chunks(key, entry, f"rank {self.rank}'s local copy of "
+                                                            f"{key.rsplit('/', 1)[-1]!r}")
 
         self.peer_copies = PeerCopies(job.link, job.receivers, run_id=run_id, read=read, folder=self._peer_folder,
                                       keep=self.keep, record=lambda k, p: self.record(k, p))

@@ -101,7 +101,7 @@ def test_a_run_lives_through_kill_damage_fallback_and_gc(
         local_report = second.gc_local(keep_last=1, grace_seconds=0)
         assert local_report.refused is None, local_report.refused
     # the damaged step 3 lies in the history attempt 2 forked off (superseded): removed, as 1 and 2 are
-    # (version 3: their pieces wait out the intent lifetime, PROTOCOL.md §9.5, listed as uncommitted meanwhile)
+    # (version 3: with their pieces, at once: their commits were read, PROTOCOL.md §9.5 step 5)
     committed = {i.step: i.state for i in second.list_saves() if i.state in (SaveState.COMMITTED, SaveState.CORRUPT)}
     assert committed == {4: SaveState.COMMITTED}
     second.close()
@@ -138,9 +138,7 @@ def test_early_replication_on_a_version_3_run_is_refused_at_open_with_the_fix(
     ({"join_attempt": 1}, "local_tier with join_attempt needs the rank's tier"),
     ({"peer_copies": 1}, "peer_copies is for many ranks"),
     ({"peer_copies": -1}, "peer_copies must be >= 0"),
-    ({"rank": 0, "peers": {}, "peer_copies": 1, "protocol_version": 3},
-     "peer_copies is not available on a protocol version 3 run"),
-], ids=["ranks-early", "v3-early", "keep-0", "join-no-rank", "one-process-peers", "peers-negative", "v3-peers"])
+], ids=["ranks-early", "v3-early", "keep-0", "join-no-rank", "one-process-peers", "peers-negative"])
 def test_each_refused_combination_names_its_fix_before_anything_is_written(
         backend: Backend, tmp_path: Path, opts: dict[str, Any], message: str) -> None:
     from ckptstore import OpenOptions, TierOptions

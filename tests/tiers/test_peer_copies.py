@@ -198,27 +198,41 @@ def test_under_require_the_written_back_part_carries_the_tagged_record_and_resum
     assert all(r.results["read"]["ok"] for r in res)
 
 
-def test_a_version_3_run_has_its_peer_copies_off_with_a_warning_and_resumes_from_durable(tmp_path: Path) -> None:
-    """Version 3 x peer copies (the default): off, said in the status and the
-    resume event; a lost node costs what it cost before (durable)."""
-    res = job(tmp_path, steps=[1, 2], every=5, flush=20, protocol_version=3)
+def test_a_version_3_job_sends_only_the_pieces_a_holder_lacks_and_a_lost_node_costs_no_step(tmp_path: Path) -> None:
+    """Version 3 x peer copies (on by default): each rank's part travels as its
+    pieces, and a holder asks only for those it does not hold intact — the
+    frozen component (the same bytes at every step) crosses the link once.
+    Losing node b resumes from its written-back pieces with no step lost."""
+    from tests.workers.tier_rank_worker import frozen
+
+    res = job(tmp_path, steps=[1, 2, 3], every=5, flush=20, protocol_version=3)
     for r in res:
-        assert r.results["save2"]["ok"], r.results
+        assert all(r.results[f"save{s}"]["ok"] for s in (1, 2, 3)), r.results
         st = r.results["flush"]["status"]
-        assert st["peer_copies"].startswith("protocol version 3"), st
-        assert "PeerCopiesOffWarning" in r.stderr, r.stderr[-2000:]
-    assert not (tmp_path / "local" / "rank-0" / ".peers").exists()
+        assert st["peer_copies"] == "on", st
+        got = {(p["role"], p["peer"]): p for p in st["peers"]}
+        other = 1 - r.rank
+        assert got[("receives-from", other)]["copies"] == 3 and got[("sends-to", other)]["failures"] == 0, st
+        changing = sum(len(blob(step, other)) + len(blob(step, other, 3000)) for step in (1, 2, 3))
+        assert got[("receives-from", other)]["bytes"] == changing + len(frozen(other)), st
+        assert got[("sends-to", other)]["bytes"] == got[("receives-from", other)]["bytes"], st
+        assert "PeerCopiesOffWarning" not in r.stderr
+    pieces = tmp_path / "local" / "rank-0" / ".peers" / "rank-1" / "run" / "pieces"
+    assert pieces.is_dir() and not (tmp_path / "local" / "rank-0" / ".peers" / "rank-1" / "run" / "saves").exists()
     shutil.rmtree(tmp_path / "local" / "rank-1")
     res = job(tmp_path, steps=[], flush=20, protocol_version=3)
-    assert opened(res) == [(1, "durable"), (1, "durable")]
-    assert all(r.results["read"]["ok"] for r in res)
+    assert opened(res) == [(3, "local"), (3, "local")]
+    assert all(r.results["read"]["ok"] for r in res)  # model and the frozen part, bit for bit
+    d = resume_tier(tmp_path)
+    assert d["steps_lost_with_local_tier"] == 0 and d["ranks"]["1"]["source"]["from"] == "peer", d
 
 
-def test_explicit_peer_copies_on_a_version_3_run_are_refused_on_every_rank(tmp_path: Path) -> None:
-    res = run_job(2, str(tmp_path / "durable"), "tiers",
-                  args={"local": str(tmp_path / "local"), "nodes": NODES, "steps": [1], "protocol_version": 3,
-                        "peer_copies": 1}, worker=WORKER, timeout=90)
-    for r in res:
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert not r.results["open"]["ok"], r.results
-        assert "peer_copies is not available on a protocol version 3 run" in r.results["open"]["message"]
+def test_explicit_peer_copies_on_a_version_3_run_bring_back_the_coordinators_part(tmp_path: Path) -> None:
+    res = job(tmp_path, steps=[1, 2], every=5, flush=20, protocol_version=3, peer_copies=1)
+    assert all(r.results["save2"]["ok"] for r in res), [r.results for r in res]
+    shutil.rmtree(tmp_path / "local" / "rank-0")  # node a: the coordinator's disk
+    res = job(tmp_path, steps=[3], flush=20, protocol_version=3, peer_copies=1)
+    assert opened(res) == [(2, "local"), (2, "local")]
+    assert all(r.results["read"]["ok"] and r.results["save3"]["ok"] for r in res)
+    d = resume_tier(tmp_path)
+    assert d["ranks"]["0"]["source"] == {"step": 2, "from": "peer", "holder": 1, "ok": True}, d

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from ckptstore import CheckpointStore, OpenOptions, RecordAuth, TierOptions
+from ckptstore import CheckpointStore, OpenOptions, PieceTiming, RecordAuth, TierOptions
 from ckptstore.errors import CkptStoreError
 from ckptstore.identity import identity_digest
 from ckptstore.tiers import (
@@ -66,6 +66,10 @@ def _event(what: str) -> None:
         pass
 
 
+#: version 3: each rank's frozen part (at least 1 MiB: a piece of its own, reused by every save)
+FROZEN = {r: bytes((r * 7 + i * 13) % 251 for i in range(1_100_000)) for r in (0, 1)}
+
+
 def part(step: int, rank: int) -> bytes:
     return bytes((step * 13 + rank * 5 + i) % 251 for i in range(3000 + 1000 * rank))
 
@@ -82,8 +86,13 @@ def damage(f: Path, how: str) -> None:
 
 
 class PeerTiers(RuleBasedStateMachine):
+    #: the run's protocol version (3: each part also holds ``rank<r>/frozen``, the same bytes at every step,
+    #: one piece every save reuses; its copies travel once)
+    version = 2
+
     def __init__(self) -> None:
         super().__init__()
+        self.refs: dict[str, Any] = {}
         self.dir = Path(tempfile.mkdtemp(prefix="peer-sm-"))
         self.url = str(self.dir / "durable")
         self.local = self.dir / "local"
@@ -140,8 +149,8 @@ class PeerTiers(RuleBasedStateMachine):
         wire = Wire(wait=20)
         tiers = self._tiers()
         coord = CheckpointStore.open(self.url, "run", identity=IDENT, options=OpenOptions(
-            single_writer=True, tiers=replace(tiers, rank=0, peers=report,
-                                              peer_job=Job(wire.end(0), newest_everywhere=everywhere))))
+            single_writer=True, protocol_version=self.version, pieces=PieceTiming(window=0.05),
+            tiers=replace(tiers, rank=0, peers=report, peer_job=Job(wire.end(0), newest_everywhere=everywhere))))
         assert coord.attempt is not None
         member = CheckpointStore.open(self.url, "run", identity=IDENT, join_attempt=coord.attempt.number,
                                       options=OpenOptions(tiers=replace(tiers, rank=1, peer_job=Job(wire.end(1)))))
@@ -168,6 +177,8 @@ class PeerTiers(RuleBasedStateMachine):
         coord, member = self.stores  # type: ignore[misc]
         assert coord.read(ref, "rank0/w") == part(ref.step, 0)
         assert member.read(ref, "rank1/w") == part(ref.step, 1)
+        if self.version == 3:
+            assert coord.read(ref, "rank0/frozen") == FROZEN[0] and member.read(ref, "rank1/frozen") == FROZEN[1]
         # what was written back or read is intact again in the owner's own folder (or the save is durable)
         for sid in [k for k, s in self.steps.items() if s > ref.step]:
             del self.steps[sid]  # a later history starts after the resume point
@@ -183,6 +194,9 @@ class PeerTiers(RuleBasedStateMachine):
 
     def _files(self, sid: str, kind: str, r: int) -> Path:
         top = self.local / f"rank-{r}" if kind == "own" else self.local / f"rank-{1 - r}" / ".peers" / f"rank-{r}"
+        if self.version == 3:  # the one piece of rank r's ``w`` (new at each step, under the save's own ID)
+            (p,) = self.refs[sid].record.components[f"rank{r}/w"].pieces
+            return top / "run" / "pieces" / p.holder / p.digest
         return top / "run" / "saves" / sid / f"rank{r}" / "w"
 
     # -------------------------------------------------------------- rules
@@ -193,9 +207,14 @@ class PeerTiers(RuleBasedStateMachine):
         step = self.step
         sid = coord.new_save_id(step)
         a, b = coord.stage(step, save_id=sid), member.stage(step, save_id=sid)
-        ca, cb = a.put("rank0/w", part(step, 0)), b.put("rank1/w", part(step, 1))
-        ref = coord.publish(step, sid, {ca.name: ca, cb.name: cb}, ranks={0: [ca.name], 1: [cb.name]}, world_size=2)
+        comps = [a.put("rank0/w", part(step, 0)), b.put("rank1/w", part(step, 1))]
+        if self.version == 3:
+            comps += [a.put("rank0/frozen", FROZEN[0]), b.put("rank1/frozen", FROZEN[1])]
+        ref = coord.publish(step, sid, {c.name: c for c in comps},
+                            ranks={r: sorted(c.name for c in comps if c.name.startswith(f"rank{r}/")) for r in (0, 1)},
+                            world_size=2)
         member.publish_record(ref.record.encode())
+        self.refs[sid] = ref
         # every rank acknowledges on its own (a save waits there until its peer copies landed)
         other = threading.Thread(target=member.acknowledged, args=(ref,))
         other.start()
@@ -254,14 +273,19 @@ class PeerTiers(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class PeerTiersV3(PeerTiers):
+    version = 3
+
+
 @pytest.mark.backends("local")
-def test_peer_tiers_state_machine() -> None:
-    run_state_machine_as_test(PeerTiers, settings=settings(max_examples=8, stateful_step_count=10, deadline=None))
+@pytest.mark.parametrize("machine", [PeerTiers, PeerTiersV3], ids=["v2", "v3"])
+def test_peer_tiers_state_machine(machine: type[PeerTiers]) -> None:
+    run_state_machine_as_test(machine, settings=settings(max_examples=8, stateful_step_count=10, deadline=None))
 
 
-def _fixed(*steps: tuple[str, dict[str, Any]]) -> None:
+def _fixed(*steps: tuple[str, dict[str, Any]], machine: type[PeerTiers] = PeerTiers) -> None:
     """One fixed run of the machine (the random runs reach a node loss after several saves only now and then)."""
-    m = PeerTiers()
+    m = machine()
     try:
         for name, kwargs in steps:
             getattr(m, name)(**kwargs)
@@ -281,3 +305,10 @@ def test_a_damaged_peer_copy_is_never_read_after_a_node_loss() -> None:
     _fixed(("save", {}), ("save", {}), ("damage_newest", {"kind": "peer", "rank": 0, "how": "flip"}),
            ("lose_node", {"node": 0}), ("save", {}), ("damage_newest", {"kind": "peer", "rank": 1, "how": "truncate"}),
            ("lose_node", {"node": 1}), ("restart", {}))
+
+
+@pytest.mark.backends("local")
+def test_version_3_a_lost_node_resumes_from_the_peer_pieces_of_the_newest_save() -> None:
+    _fixed(("save", {}), ("save", {}), ("save", {}), ("lose_node", {"node": 0}), ("save", {}),
+           ("damage_newest", {"kind": "peer", "rank": 1, "how": "flip"}), ("lose_node", {"node": 1}),
+           ("save", {}), ("lose_node", {"node": 0}), ("restart", {}), machine=PeerTiersV3)

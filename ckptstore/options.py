@@ -25,9 +25,11 @@ from typing import Any, Literal
 from .core.pieces import PieceTiming
 from .errors import InvalidInputError
 from .protocol.auth import AuthPolicy, Keyring
+from .protocol.layout import DEFAULT_VERSION
 from .retry import RetryPolicy
 
-__all__ = ["FLAT_KEYWORDS", "AuthOptions", "OpenOptions", "TierOptions", "check_combination", "options_from_keywords"]
+__all__ = ["FLAT_KEYWORDS", "AuthOptions", "OpenOptions", "TierOptions", "check_combination", "new_run_version",
+           "options_from_keywords"]
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,10 @@ class OpenOptions:
     #: candidate (a bit flip at rest never becomes the resume point); ``"cheap"`` checks sizes
     #: and leaves the digests to the restore, which always verifies
     resume_verify: Literal["deep", "cheap"] = "deep"
-    #: of a run this open creates (default 2; 1 stays readable by releases that know only 1;
-    #: 3 stores saves as pieces addressed by content, PROTOCOL.md §9). An existing run keeps its own
+    #: of a run this open creates (default 3: saves stored as pieces addressed by content,
+    #: PROTOCOL.md §9, so what did not change is not written again; 2 where ``early_replication``
+    #: is asked for, :func:`new_run_version`; 2 and 1 stay readable by releases that know only
+    #: them). An existing run keeps its own
     protocol_version: int | None = None
     #: version 3: the window and intent lifetime every writer and gc of the run must share
     pieces: PieceTiming = field(default_factory=PieceTiming)
@@ -119,6 +123,18 @@ class OpenOptions:
     #: inside a torch.distributed job of many ranks, this process alone writes (else opening for
     #: writing without ``join_attempt`` is refused there)
     single_writer: bool = False
+
+
+def new_run_version(o: OpenOptions) -> int:
+    """The protocol version of a run this open creates (an existing run keeps
+    its own): ``protocol_version`` when given; else 3 (pieces addressed by
+    content, PROTOCOL.md §9) — except 2 when the options ask for what only
+    whole components do (``TierOptions(early_replication=True)``: its uploads
+    copy each component as its local write returns; a version-3 run refuses
+    it, below). The one place this default is decided."""
+    if o.protocol_version is not None:
+        return o.protocol_version
+    return 2 if o.tiers is not None and o.tiers.early_replication else DEFAULT_VERSION
 
 
 def check_combination(o: OpenOptions, *, pieces: bool, joined: bool = False) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 from .core.collector import GcReport
 from .core.fencing import AttemptView
 from .core.one_tier import OneTier
-from .core.pieces import PieceWriter
+from .core.pieces import PieceDeadline, PieceWriter
 from .core.reader import Reader, VerifyReport
 from .core.writer import StagedSave, WriterContext
 from .options import TierOptions
@@ -58,7 +58,7 @@ class Placement(Protocol):
     def publish(
         self, ctx: WriterContext, step: int, save_id: str, components: Mapping[str, ComponentEntry], *,
         metadata: Mapping[str, Any] | None, ranks: Mapping[int, Sequence[str]] | None, world_size: int | None,
-        expect: Sequence[str],
+        expect: Sequence[str], rank_pieces: Mapping[int, PieceDeadline] | None = None,
     ) -> SaveRef: ...
     def learn_published(self, ref: SaveRef) -> None: ...
     def acknowledged(self, ref: SaveRef) -> None: ...

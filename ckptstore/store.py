@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
+import blake3
+
 from .backends.base import Backend
 from .core.binding import bind_identity, read_identity, read_run_record
 from .core.bounded_io import RunIO
@@ -22,7 +24,7 @@ from .core.fencing import AttemptLog
 from .core.hashing import CHUNK
 from .core.ledger import Ledger
 from .core.one_tier import OneTier
-from .core.pieces import PieceTiming, pieces_lacking
+from .core.pieces import PieceDeadline, PieceTiming, pieces_lacking
 from .core.preflight import check_can_write, check_metadata, check_open_args
 from .core.reader import VerifyReport
 from .core.record_auth import RecordAuth
@@ -32,7 +34,7 @@ from .core.writer import SaveWriter, StagedSave, WriterContext, check_save_id
 from .defaults import DEFAULT_GRACE_SECONDS
 from .errors import CorruptionError, InvalidInputError, StoreUnavailableError
 from .identity import RunIdentity, identity_digest, normalize_identity
-from .options import OpenOptions, check_combination, options_from_keywords
+from .options import OpenOptions, check_combination, new_run_version, options_from_keywords
 from .placement import Placement, open_placement
 from .protocol import (
     AttemptRecord,
@@ -131,7 +133,8 @@ class CheckpointStore:
         if self.mode == "w":
             check_can_write(backend, requested, join_attempt, single_writer)
             assert requested is not None
-            self.identity = bind_identity(self._io, requested, lineage, self._auth, version)
+            self.identity = bind_identity(self._io, requested, lineage, self._auth, version,
+                                          create_as=layout_of(new_run_version(o)))
         else:
             self.identity = read_identity(self._io, requested, self._auth, version)
         self.identity_digest = identity_digest(self.identity)
@@ -280,16 +283,19 @@ class CheckpointStore:
         ranks: Mapping[int, Sequence[str]] | None = None,
         world_size: int | None = None,
         expect: Sequence[str] = (),
+        rank_pieces: Mapping[int, PieceDeadline] | None = None,
     ) -> SaveRef:
         """Publish staged components as the save ``save_id`` of ``step``: one
         listing checks every component's size, the pre-commit fence, the
         commit record created with the backend's create-if-absent, the
         post-commit fence. Raises a :class:`SaveNotPublishedError` subclass
-        when the save is not acknowledged."""
+        when the save is not acknowledged. ``rank_pieces`` (version 3, the
+        coordinator of many ranks): each rank's piece deadlines, whose anchors
+        are checked with the commit (PROTOCOL.md §9.4)."""
         validate_step(step)
         md = check_metadata(metadata)
         return self._place.publish(self._writer(), step, save_id, components, metadata=md, ranks=ranks,
-                                   world_size=world_size, expect=expect)
+                                   world_size=world_size, expect=expect, rank_pieces=rank_pieces)
 
     def save(
         self,
@@ -390,6 +396,21 @@ class CheckpointStore:
         """Bytes ``[start, end)`` of a component, not verified (see :meth:`read_verified_range`)."""
         return self._place.read(ref, lambda r: r.read_range(ref, name, start, end))
 
+    def content_digest(self, ref: SaveRef, name: str) -> str:
+        """The BLAKE3 (hex) of a component's bytes, whatever their layout: the
+        record's own digest for a whole component; for one stored as pieces
+        (protocol version 3, whose recorded ``blake3`` names its piece list,
+        and whose cuts may differ between saves of the same bytes) its bytes
+        are read, verified, and hashed. Equal bytes give equal digests across
+        saves, runs and versions."""
+        entry = self.component(ref, name)
+        if entry.pieces is None:
+            return entry.blake3
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        for chunk in self.iter_read(ref, name):
+            h.update(chunk)
+        return h.hexdigest()
+
     def read_verified_range(self, ref: SaveRef, name: str, start: int, end: int, blake3_hex: str) -> bytes:
         """Bytes ``[start, end)`` of a component, checked against the BLAKE3
         digest of exactly that range (a per-item digest the caller keeps in a
@@ -445,6 +466,9 @@ class CheckpointStore:
             raise InvalidInputError("keep_every must be at least 1")
         if grace_seconds < 0:
             raise InvalidInputError("grace_seconds must be >= 0")
+        writer = self._place.pieces
+        if writer is not None:  # this writer's intent after its last commit has landed and the old one is gone
+            writer.settle()
         if incremental:
             return self._retention.run(keep_last=keep_last, keep_every=keep_every, grace_seconds=grace_seconds,
                                        dry_run=dry_run, deep=deep, timing=self._piece_timing)

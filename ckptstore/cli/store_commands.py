@@ -170,11 +170,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     obj["ignored"] = rep.ignored
     obj["pieces"] = {"freed": rep.pieces_freed, "bytes_freed": rep.piece_bytes_freed, "marked": rep.pieces_marked,
                      "young": rep.pieces_young, "intents_expired": rep.intents_expired, "refused": rep.pieces_refused,
+                     "deferred": rep.pieces_deferred,
                      "intent_bytes_read": rep.intent_bytes_read, "sweep_rounds": rep.sweep_rounds}
     if rep.pieces_freed or rep.pieces_marked or rep.pieces_young or rep.pieces_refused:
         lines.append(f"pieces: {verb} {rep.pieces_freed} ({human_bytes(rep.piece_bytes_freed)}); kept "
                      f"{rep.pieces_marked} named by kept commits or live intents, {rep.pieces_young} younger than "
                      f"the grace period; {len(rep.intents_expired)} expired intent(s) removed")
+        if rep.pieces_deferred:
+            lines.append(f"  only pieces of committed saves swept: {esc(rep.pieces_deferred)}")
         if rep.pieces_refused:
             lines.append(f"  no piece swept: {esc(rep.pieces_refused)}")
     if rep.ignored:

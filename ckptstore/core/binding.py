@@ -58,9 +58,11 @@ def bind_identity(
     lineage: Mapping[str, Any] | None,
     auth: RecordAuth,
     version: Layout | None = None,
+    create_as: Layout | None = None,
 ) -> dict[str, Any]:
     """Check the existing run record, or create it (with ``version``'s layout,
-    default the latest); the identity in force.
+    else ``create_as``, else the default); the identity in force. An existing
+    run must be of ``version`` when it is given (``create_as`` is only a default).
 
     Read first: an open of an existing run (every restart) reads the record
     and writes nothing (creating first cost it a temporary file, an fsync and
@@ -71,7 +73,7 @@ def bind_identity(
     try:
         stored = read_run_record(io, auth).identity
     except NotFoundError:
-        layout = version or LATEST_LAYOUT
+        layout = version or create_as or LATEST_LAYOUT
         rec = RunRecord(
             io.run_id, requested, identity_digest(requested), now(), dict(lineage) if lineage else None,
             version=layout.version,

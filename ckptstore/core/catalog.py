@@ -30,7 +30,7 @@ from ..protocol import (
     saves_prefix,
 )
 from ..protocol.auth import AuthPolicy
-from ..protocol.layout import COMMITS_DIR, PIECES_VERSION
+from ..protocol.layout import COMMITS_DIR, PIECES_VERSION, parse_piece_key, pieces_prefix
 from ..protocol.pieces import ListedPiece
 from ..protocol.records import MAX_COMMIT_RECORD
 from ..protocol.selection import (
@@ -53,7 +53,7 @@ from .bounded_io import RunIO
 from .commit_names import CommitKeys
 from .fencing import AttemptLog, AttemptView
 from .piece_evidence import list_pieces
-from .pieces import check_pieces
+from .pieces import check_pieces, list_intents
 from .record_auth import RecordAuth, sidecars_prefix
 from .selection_limits import NameSkips, gave_up
 
@@ -85,8 +85,8 @@ class Scan:
     #: record bytes read ahead in one batch (``Catalog.walk``), by key; None: missing
     fetched: dict[str, bytes | None] = field(default_factory=dict)
     #: keys under ``saves/`` that are not ``<save ID>/<component name>`` (a ``..``
-    #: segment, another spelling of a save ID ...): not ckptstore's, never
-    #: judged, never deleted; reported by gc
+    #: segment, another spelling of a save ID ...), and under ``pieces/`` that are
+    #: not ``<save ID>/<64 hex>``: not ckptstore's, never judged, never deleted; reported by gc
     foreign: list[str] = field(default_factory=list)
     #: version 3: the run's pieces as one listing showed them (None: not listed;
     #: each candidate lists the holders it names)
@@ -115,7 +115,8 @@ class Scan:
         # pieces are listed before the commits (§9.5): a piece a commit listed
         # later names was either in this listing or is younger than it
         pieces_at = clock()
-        pieces = list_pieces(io) if with_saves and io.layout.pieces else None
+        foreign: list[str] = []  # keys under saves/ and pieces/ that are not ckptstore's
+        pieces = list_pieces(io, foreign=foreign) if with_saves and io.layout.pieces else None
         names = CommitKeys(io)
         commits = names.listed()
         # after the commits: a record listed above whose sidecar is missing here had none when it was listed
@@ -124,7 +125,6 @@ class Scan:
         if not with_saves:
             return cls(commits, save_objects, attempts, saves_listed=False, other=names.other, sidecars=side)
         sp = saves_prefix(io.run_id)
-        foreign: list[str] = []
         for o in io.list(sp):
             sid, _, name = o.key[len(sp) :].partition("/")
             if parse_save_id(sid) is None or not is_component_name(name):
@@ -529,6 +529,15 @@ class Catalog:
                 f"run's (version {self.io.layout.version}): history, never selected or deleted, their saves kept; "
                 f"newest {self.io.where(other[max(other)])} (if RUN.json was edited, restore it)")
 
+    def _intent_names(self) -> set[tuple[str, str]]:
+        """What the run's live save intents name (none when they cannot be listed or read: listing only)."""
+        try:
+            intents, _ = list_intents(self.io)
+        except (LimitReachedError, CorruptionError, NotFoundError):
+            return set()
+        now = time.time()
+        return {hd for rec in intents.values() if rec.expires_at > now for hd in rec.pieces}
+
     def _uncommitted_after(
         self, chosen: SaveRef | None, committed_ids: set[str], known: set[tuple[int, int]]
     ) -> list[Skip]:
@@ -538,20 +547,29 @@ class Catalog:
         candidate's own skip says why it was not selected) or skipped by name
         (its save ID is not known): their saves are not reported as uncommitted."""
         sp = saves_prefix(self.io.run_id)
-        after = f"{sp}{chosen.step:012d}-{chosen.attempt:08d}-~" if chosen is not None else ""
+        tail = f"{chosen.step:012d}-{chosen.attempt:08d}-~" if chosen is not None else ""
         counts: dict[str, int] = {}
-        for key in self.io.list_keys(sp, start_after=after):
+        for key in self.io.list_keys(sp, start_after=sp + tail if tail else ""):
             sid, _, name = key[len(sp) :].partition("/")
             if is_component_name(name):  # anything else under saves/ is not ckptstore's (see Scan.foreign)
                 counts[sid] = counts.get(sid, 0) + 1
+        pieces: dict[str, int] = {}
+        if self.io.layout.pieces:  # version 3: an uncommitted save may have written nothing but pieces (§9.5)
+            pp = pieces_prefix(self.io.run_id)
+            for key in self.io.list_keys(pp, start_after=pp + tail if tail else ""):
+                hd = parse_piece_key(self.io.run_id, key)
+                if hd is not None:
+                    pieces[hd[0]] = pieces.get(hd[0], 0) + 1
         out = []
-        for sid, n in counts.items():
+        for sid in sorted(set(counts) | set(pieces)):
             sa = parse_save_id(sid)
             if sid in committed_ids or sa is None or sa in known or (
                 chosen is not None and sa <= (chosen.step, chosen.attempt)
             ):
                 continue
-            out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{n} component(s) written, no commit record"))
+            n, k = counts.get(sid, 0), pieces.get(sid, 0)
+            what = f"{n} component(s)" if not k else f"{k} piece(s)" if not n else f"{n} component(s) and {k} piece(s)"
+            out.append(Skip(sa[0], sa[1], sid, SkipReason.NO_COMMIT, f"{what} written, no commit record"))
         return out
 
     def judge_one(
@@ -624,6 +642,14 @@ class Catalog:
         for h in {hd[0] for hd in named}:
             if h not in scan.save_objects:
                 loose.pop(h, None)
+        if loose:
+            # a holder every listed piece of which a live save intent names: a deleted commit's pieces that
+            # a writer still relies on (a killed writer's intent, until it expires), not a save in progress
+            # (a save's own new pieces are never in an intent)
+            held = self._intent_names()
+            for h in [h for h, ps in loose.items() if h not in scan.save_objects
+                      and all((p.holder, p.digest) in held for p in ps)]:
+                del loose[h]
         for sid in sorted(set(scan.save_objects) | set(loose)):
             if sid in committed_ids:
                 continue

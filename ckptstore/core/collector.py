@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from ..backends.base import ObjectInfo
 from ..errors import CorruptionError, LimitReachedError, NotFoundError
 from ..protocol import component_key, is_component_name, run_prefix, save_prefix
 from ..protocol.gcplan import plan_gc
+from ..protocol.layout import piece_key
 from ..protocol.pieces import ListedPiece, plan_sweep
 from ..protocol.records import IntentRecord
 from ..protocol.selection import SaveInfo, SaveState
+from .bounded_io import RunIO
 from .catalog import Catalog, Scan, commit_info, uncommitted_info
 from .commit_names import CommitKeys
 from .fencing import AttemptView
@@ -60,6 +63,8 @@ class GcReport:
     intents_expired: list[str] = field(default_factory=list)
     #: set when gc swept no piece (or stopped before the end of the sweep), and why (the saves were still collected)
     pieces_refused: str | None = None
+    #: set when gc swept only the pieces of committed saves (an intent outlives the grace period), and why
+    pieces_deferred: str | None = None
     #: save-intent bytes the sweep read (each changed intent once; bounded by MAX_INTENT_BYTES a round)
     intent_bytes_read: int = 0
     #: rounds of the piece sweep (each lists the intents)
@@ -119,27 +124,48 @@ def collect(
         dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions, incomplete,
         bytes_read=io.bytes_read - start, ignored=scan.foreign,
     )
+    named: tuple[dict[str, Marks], set[str]] | None = ({}, set())
     if scan.pieces is not None:
-        sweep_pieces(catalog, scan, [i for i, _ in plan.delete], report, grace_seconds, timing)
+        named = sweep_pieces(catalog, scan, [i for i, _ in plan.delete], report, grace_seconds, timing,
+                             kept=evidence(plan.keep))
+        if report.pieces_deferred or report.pieces_refused:
+            # an uncommitted save of pieces alone whose pieces were not judged was not deleted: say so
+            spared = {i.save_id for i, _ in plan.delete if i.state is SaveState.PARTIAL
+                      and not scan.save_objects.get(i.save_id)}
+            report.deleted_saves = [(s, r) for s, r in report.deleted_saves if s not in spared]
+            report.kept += sorted(spared)
     if retention is not None:
         gone = {(i.step, i.attempt) for i, _ in plan.delete}
         retention.remember(
             (keep_last, keep_every, grace_seconds, deep), taken_at, scan.attempts, plan.keep,
             set(scan.commits) - gone if not dry_run and not scan.other else None,
+            named if report.pieces_refused is None else None,
         )
     return report
 
 
+Marks = dict[tuple[str, str], int]
+
+
+def evidence(kept: list[SaveInfo]) -> set[str]:
+    """Save IDs gc keeps as evidence for an operator (corrupt or of a newer version: §4.5): their pieces
+    are kept whatever a record names and whatever their age (a save whose commit record names another
+    save ID comes back whole when an operator repairs the record)."""
+    return {i.save_id for i in kept if i.state in (SaveState.CORRUPT, SaveState.UNSUPPORTED)}
+
+
 def _commit_marks(catalog: Catalog, scan: Scan, deleted: list[SaveInfo]
-                  ) -> tuple[dict[tuple[str, str], int], set[str]] | str:
-    """Pieces named by every commit record gc did not delete, and the save IDs
-    of every commit record gc read (those it deleted included: §9.5 step 5's
-    settled holders); a reason instead when a remaining record cannot be read
-    (its pieces are unknown: sweep nothing)."""
+                  ) -> tuple[Marks, set[str], dict[str, Marks]] | str:
+    """Pieces named by every commit record gc did not delete, the save IDs of
+    every commit record gc read (those it deleted included: §9.5 step 5's
+    settled holders), and what each remaining record names by its save ID (a
+    retention view's, :class:`Retention`); a reason instead when a remaining
+    record cannot be read (its pieces are unknown: sweep nothing)."""
     committed = (SaveState.COMMITTED, SaveState.SUPERSEDED)
     gone = {(i.step, i.attempt) for i in deleted if i.state in committed}
     settled = {i.save_id for i in deleted if i.state in committed}
-    marks: dict[tuple[str, str], int] = {}
+    marks: Marks = {}
+    per_save: dict[str, Marks] = {}
     for sa, listed in sorted(scan.commits.items()):
         if sa in gone:
             continue
@@ -149,33 +175,54 @@ def _commit_marks(catalog: Catalog, scan: Scan, deleted: list[SaveInfo]
             continue  # removed since the listing: it names nothing any more
         except CorruptionError as exc:  # unreadable, or a newer version's: what it names is unknown
             return f"commit record of step {sa[0]}, attempt {sa[1]} cannot be read ({str(exc)[:200]})"
-        marks.update(rec.piece_refs())
+        named = rec.piece_refs()
+        marks.update(named)
         settled.add(rec.save_id)
-    return marks, settled
+        per_save[rec.save_id] = named
+    return marks, settled, per_save
 
 
 def sweep_pieces(
     catalog: Catalog, scan: Scan, deleted: list[SaveInfo], report: GcReport, grace_seconds: float,
-    timing: PieceTiming,
-) -> None:
-    """§9.5: mark from every kept commit and every live save intent, then
-    delete the pieces of ``scan.pieces`` (listed before the commits) that
-    nothing marks and that are older than the grace period or whose holder's
-    commit gc read (settled: step 5), all within half
-    the window after the intents were listed; past it, the next round lists the
-    intents again (reading only the ones that changed). Bounded: at most
-    :data:`MAX_INTENTS` intents and :data:`MAX_INTENT_BYTES` of them, at most
-    :data:`MAX_IDLE_ROUNDS` rounds in a row that delete nothing, at most
-    :data:`MAX_SWEEP_ROUNDS` in all; an intent dated implausibly (created later
-    than gc's clock plus :data:`INTENT_CLOCK_SKEW`; one expiring before it was
-    created does not decode) refuses the sweep. Every refusal or stop sets ``pieces_refused``."""
-    io = catalog.io
+    timing: PieceTiming, kept: Collection[str] = (),
+) -> tuple[dict[str, Marks], set[str]] | None:
+    """§9.5 over the whole run: mark from every kept commit (each record read)
+    and every live save intent, then delete the pieces of ``scan.pieces``
+    (listed before the commits) that nothing marks and that are older than the
+    grace period or whose holder's commit gc read (settled: step 5), by
+    :func:`sweep_rounds`. Returns what each kept commit names and the settled
+    holders (None when a record could not be read: nothing was swept)."""
     assert scan.pieces is not None
     read = _commit_marks(catalog, scan, deleted)
     if isinstance(read, str):
         report.pieces_refused = f"{read}; no piece is swept while a commit record cannot be read"
-        return
-    commit_marks, settled = read
+        return None
+    commit_marks, settled, per_save = read
+    sweep_rounds(catalog.io, list(scan.pieces.values()), commit_marks, settled, scan.pieces_listed_at, report,
+                 grace_seconds, timing, protected=kept)
+    return per_save, settled
+
+
+def sweep_rounds(
+    io: RunIO, candidates: list[ListedPiece], commit_marks: Marks, settled: Collection[str], listed_at_wall: float,
+    report: GcReport, grace_seconds: float, timing: PieceTiming, protected: Collection[str] = (),
+) -> None:
+    """§9.5 steps 4-5, the one copy: in rounds, list the intents (live ones
+    mark what they name), then delete the ``candidates`` that nothing marks
+    and that are older than the grace period by ``listed_at_wall`` or whose
+    holder is ``settled``, all within half the window after the intents were
+    listed; past it, the next round lists the intents again (reading only the
+    ones that changed). Bounded: at most :data:`MAX_INTENTS` intents and
+    :data:`MAX_INTENT_BYTES` of them, at most :data:`MAX_IDLE_ROUNDS` rounds in a
+    row that delete nothing, at most :data:`MAX_SWEEP_ROUNDS` in all; an intent
+    dated implausibly (created later than gc's clock plus
+    :data:`INTENT_CLOCK_SKEW`; one expiring before it was created does not
+    decode) refuses the sweep. Every refusal or stop sets ``pieces_refused``.
+    While an intent lives longer than the grace period, only settled holders'
+    pieces go (``pieces_deferred`` says why). ``protected``: save IDs gc keeps
+    as evidence (:func:`evidence`): their pieces are never deleted."""
+    keep = set(protected)
+    protected_pieces = [(p.holder, p.digest) for p in candidates if p.holder in keep]
     todo: list[ListedPiece] | None = None
     expired: list[str] = []
     cache = IntentCache()
@@ -195,18 +242,23 @@ def sweep_pieces(
                 return
             now = timing.clock()
             marks = dict(commit_marks)
+            marks.update(dict.fromkeys(protected_pieces, 0))
             expired = []
+            by_age = grace_seconds
             for key, rec in sorted(intents.items()):
                 refused = implausible_intent(key, rec, now, grace_seconds)
                 if refused is not None:
                     report.pieces_refused = refused
                     return
+                longer = outlives_grace(key, rec, grace_seconds)
+                if longer is not None:  # only settled holders' pieces may go (they do not depend on age)
+                    report.pieces_deferred, by_age = longer, float("inf")
                 if now >= rec.expires_at:
                     expired.append(key)
                 else:
                     marks.update(dict.fromkeys(rec.pieces, 0))
-            plan = plan_sweep(todo if todo is not None else scan.pieces.values(), marks, now=scan.pieces_listed_at,
-                              grace_seconds=grace_seconds, settled=settled)
+            plan = plan_sweep(todo if todo is not None else candidates, marks, now=listed_at_wall,
+                              grace_seconds=by_age, settled=settled)
             if todo is None:
                 report.pieces_marked, report.pieces_young = plan.marked, plan.young
             todo = []
@@ -240,14 +292,23 @@ def sweep_pieces(
             io.delete(key)
 
 
-def implausible_intent(key: str, rec: IntentRecord, now: float, grace_seconds: float) -> str | None:
-    """Why gc must not sweep while intent ``rec`` exists (§9.5 step 4), or None:
-    it lives longer than the grace period, or was created later than gc's clock plus :data:`INTENT_CLOCK_SKEW` (a writer's
-    clock that far ahead, or a planted intent, would keep its pieces for ever)."""
+def outlives_grace(key: str, rec: IntentRecord, grace_seconds: float) -> str | None:
+    """Why gc may not judge pieces by age while intent ``rec`` exists (§9.5
+    step 4), or None: it lives longer than the grace period, so a save it
+    belongs to may run longer than that and its new pieces be older than the
+    grace. Pieces of settled holders do not depend on age (§9.5 step 5)."""
     life = rec.expires_at - rec.created_at
     if life > grace_seconds:
-        return (f"save intent {key} lives {life:.0f}s, longer than the grace period ({grace_seconds:.0f}s); no piece "
-                "is swept (use a grace period at least as long as the intents')")
+        return (f"save intent {key} lives {life:.0f}s, longer than the grace period ({grace_seconds:.0f}s): pieces "
+                "of saves that never committed were not judged (use a grace period at least as long as the intents')")
+    return None
+
+
+def implausible_intent(key: str, rec: IntentRecord, now: float, grace_seconds: float) -> str | None:
+    """Why gc must not sweep at all while intent ``rec`` exists (§9.5 step 4), or
+    None: it was created later than gc's clock plus :data:`INTENT_CLOCK_SKEW` (a
+    writer's clock that far ahead, or a planted intent, would keep its pieces
+    for ever). ``grace_seconds`` is not used (see :func:`outlives_grace`)."""
     if rec.created_at > now + INTENT_CLOCK_SKEW:
         return (f"save intent {key} was created {rec.created_at - now:.0f}s after gc's clock says it is now "
                 f"(more than {INTENT_CLOCK_SKEW:.0f}s ahead); no piece is swept while it exists (fix the writer's "
@@ -274,10 +335,16 @@ class Retention:
     gc), the view's uncommitted saves (one listing of each), and every save it
     is about to delete (its record and a listing of its save), then deletes
     with gc's plan (:func:`~ckptstore.protocol.gcplan.plan_gc`) over the view
-    merged with what it judged. Whenever anything it judged again disagrees
-    with the view, the attempts changed, the run is of version 1 or 3 (pieces:
-    §9.5's sweep needs the whole run), the parameters changed, or the view is
-    older than the grace period, it runs a full gc instead (and remembers that)."""
+    merged with what it judged. Version 3 (pieces): the view also holds what
+    each of its commits names (read by the full gc's sweep), so the pieces that
+    only the deleted commits named, under settled holders, are swept by the
+    one sweep (:func:`sweep_rounds`: the intents listed, deletes within half
+    the window) without listing the run's pieces; what else a full sweep would
+    take (pieces of uncommitted saves past the grace period) waits for the
+    next full gc. Whenever anything it judged again disagrees with the view,
+    the attempts changed, the run is of version 1, the view does not know what
+    its commits name, the parameters changed, or the view is older than the
+    grace period, it runs a full gc instead (and remembers that)."""
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
@@ -295,14 +362,23 @@ class Retention:
         self._from_commit: set[str] = set()
         #: why the last :meth:`run` was a full gc ("" when it was incremental)
         self.last_full = ""
+        #: version 3: what each commit row of the view names ((holder, digest) -> size), by save ID;
+        #: None: not known (a record the full gc could not read): every retention is a full gc
+        self._named: dict[str, Marks] | None = None
+        #: version 3: save IDs of commits the view saw and that are gone since (settled holders, §9.5 step 5)
+        self._gone: set[str] = set()
 
     def remember(self, params: tuple[object, ...], taken_at: float, attempts: AttemptView, kept: list[SaveInfo],
-                 commits: set[tuple[int, int]] | None) -> None:
-        """What a full gc judged and left (``commits`` None: nothing to start from)."""
+                 commits: set[tuple[int, int]] | None,
+                 named: tuple[dict[str, Marks], set[str]] | None = ({}, set())) -> None:
+        """What a full gc judged and left (``commits`` None: nothing to start from;
+        ``named``: what each remaining commit names and the settled holders, None when unknown)."""
         self._params, self._taken_at, self._attempts = params, taken_at, attempts_seen(attempts)
         self._settled = set()
         self._keep(kept, {self._row_key(i) for i in kept if i.created_at is not None}, params)
         self._commits = commits
+        self._named = dict(named[0]) if named is not None else None
+        self._gone = (named[1] - set(named[0])) if named is not None else set()
 
     def _keep(self, kept: list[SaveInfo], from_commit: set[str], params: tuple[object, ...]) -> None:
         """Split the kept rows into the live ones and the settled ones."""
@@ -331,6 +407,7 @@ class Retention:
 
     def forget(self) -> None:
         self._commits = None
+        self._named = None
 
     def run(self, *, keep_last: int, keep_every: int | None, grace_seconds: float, dry_run: bool, deep: bool,
             timing: PieceTiming | None = None) -> GcReport:
@@ -338,7 +415,7 @@ class Retention:
             params = (keep_last, keep_every, grace_seconds, deep)
             why = self._why_full(params)
             if not why:
-                got = self._incremental(keep_last, keep_every, grace_seconds, dry_run, deep)
+                got = self._incremental(keep_last, keep_every, grace_seconds, dry_run, deep, timing or PieceTiming())
                 if isinstance(got, GcReport):
                     self.last_full = ""
                     return got
@@ -352,8 +429,10 @@ class Retention:
         layout = self.catalog.io.layout
         if self._commits is None:
             return "no view of the run yet"
-        if not layout.newest_first or layout.pieces:
+        if not layout.newest_first:
             return f"protocol version {layout.version}: every retention is a full gc"
+        if layout.pieces and self._named is None:
+            return "what the kept saves name is not known (a commit record could not be read)"
         if params != self._params:
             return "other retention parameters than the view's"
         if time.time() >= self._taken_at + float(params[2]):  # type: ignore[arg-type]
@@ -361,7 +440,7 @@ class Retention:
         return ""
 
     def _incremental(self, keep_last: int, keep_every: int | None, grace_seconds: float, dry_run: bool,
-                     deep: bool) -> GcReport | str:
+                     deep: bool, timing: PieceTiming) -> GcReport | str:
         """The report, or why a full gc must decide instead (nothing was deleted)."""
         cat, io = self.catalog, self.catalog.io
         assert self._commits is not None
@@ -383,6 +462,9 @@ class Retention:
         objects: dict[str, dict[str, ObjectInfo]] = {}
         fresh: set[str] = set()
 
+        pieced = io.layout.pieces
+        named = dict(self._named or {})
+
         def judge(sa: tuple[int, int], want_deep: bool) -> SaveInfo:
             c, objs = cat.judge_one(sa[0], sa[1], None, attempts, want_deep)
             info = commit_info(c, objs, want_deep, None, False)
@@ -392,6 +474,12 @@ class Retention:
 
         for sa in new:
             info = judge(sa, False)
+            if pieced:  # what the new commit names (its record, read again only when it did not verify)
+                try:
+                    rec = info.ref.record if info.ref is not None else cat.load_commit(sa[0], sa[1])
+                except (CorruptionError, NotFoundError):
+                    return f"the commit record of step {sa[0]}, attempt {sa[1]} cannot be read"
+                named[rec.save_id] = rec.piece_refs()
             for k in [k for k, i in infos.items() if i.save_id == info.save_id]:
                 del infos[k]  # its uncommitted row: committed since
             infos[self._row_key(info)] = info
@@ -432,17 +520,51 @@ class Retention:
             again = judge((i.step, i.attempt), False)
             if again.state is not i.state or again.save_id != i.save_id:
                 return f"save {i.save_id} is {again.state.value} now, {i.state.value} in the view"
+        committed = (SaveState.COMMITTED, SaveState.SUPERSEDED)
+        deleted_ids = {i.save_id for i, _ in plan.delete if i.state in committed}
+        if pieced and not deleted_ids <= set(named):
+            return "what a save to delete names is not known"
         actions: list[GcAction] = []
         for info, reason in plan.delete:
-            if info.state in (SaveState.COMMITTED, SaveState.SUPERSEDED):
+            if info.state in committed:
                 actions.append(GcAction(cat.commit_key(info.step, info.attempt), reason))
             for name in sorted(objects.get(info.save_id, {})):
                 actions.append(GcAction(component_key(io.run_id, info.save_id, name), reason))
         if not dry_run:
             for act in actions:
                 io.delete(act.key)
+        report = GcReport(dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions,
+                          incremental=True)  # kept: the rows it judged (the settled ones are kept as they were)
+        if pieced:
+            self._sweep_deleted(named, deleted_ids, report, grace_seconds, timing,
+                                evidence(plan.keep) | self._settled)
+        if not dry_run:
             gone = {(i.step, i.attempt) for i, _ in plan.delete}
             self._commits = (self._commits | set(new)) - gone
             self._keep(plan.keep, from_commit, (keep_last, keep_every))
-        return GcReport(dry_run, [i.save_id for i in plan.keep], [(i.save_id, r) for i, r in plan.delete], actions,
-                        incremental=True)  # kept: the rows it judged (the settled ones are kept as they were)
+            if pieced:
+                self._gone |= deleted_ids
+                self._named = {sid: n for sid, n in named.items() if sid not in deleted_ids}
+        return report
+
+    def _sweep_deleted(self, named: dict[str, Marks], deleted: set[str], report: GcReport, grace_seconds: float,
+                       timing: PieceTiming, kept: set[str]) -> None:
+        """Version 3: the pieces only the ``deleted`` commits named, under settled holders (a commit the
+        view saw), swept by the one sweep; the remaining commits' pieces are its marks."""
+        io = self.catalog.io
+        remaining: Marks = {}
+        for sid, n in named.items():
+            if sid not in deleted:
+                remaining.update(n)
+        settled = set(named) | self._gone
+        seen: set[tuple[str, str]] = set()
+        candidates: list[ListedPiece] = []
+        for sid in sorted(deleted):
+            for (h, d), size in named[sid].items():
+                if (h, d) in remaining or (h, d) in seen or h not in settled:
+                    continue  # kept by a remaining commit, or not settled: the next full gc judges it by age
+                seen.add((h, d))
+                candidates.append(ListedPiece(piece_key(io.run_id, h, d), h, d, size, 0.0))
+        if candidates:
+            sweep_rounds(io, candidates, remaining, settled, timing.clock(), report, grace_seconds, timing,
+                         protected=kept)

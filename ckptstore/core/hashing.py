@@ -247,3 +247,4 @@ class HashingStream:
         if self._digest is None:
             raise RuntimeError("stream not fully consumed")
         return self._digest
+

@@ -23,7 +23,7 @@ from .catalog import Catalog
 from .collector import GcReport
 from .fencing import AttemptLog, AttemptView
 from .ledger import Ledger
-from .pieces import PieceTiming, PieceWriter
+from .pieces import PieceDeadline, PieceTiming, PieceWriter
 from .reader import Reader, VerifyReport
 from .record_auth import RecordAuth
 from .resume_point import resume_point
@@ -89,10 +89,10 @@ class OneTier:
     def publish(
         self, ctx: WriterContext, step: int, save_id: str, components: Mapping[str, ComponentEntry], *,
         metadata: Mapping[str, Any] | None, ranks: Mapping[int, Sequence[str]] | None, world_size: int | None,
-        expect: Sequence[str],
+        expect: Sequence[str], rank_pieces: Mapping[int, PieceDeadline] | None = None,
     ) -> SaveRef:
         return publish(ctx, step, save_id, components, metadata=metadata, ranks=ranks, world_size=world_size,
-                       expect=expect)
+                       expect=expect, rank_pieces=rank_pieces)
 
     def learn_published(self, ref: SaveRef) -> None:
         """``ref`` was published by another process and is the newest commit:

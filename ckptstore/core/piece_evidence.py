@@ -25,7 +25,7 @@ from ..protocol.layout import parse_piece_key, piece_key, pieces_prefix
 from ..protocol.pieces import ListedPiece
 from .bounded_io import RunIO
 
-__all__ = ["REHASH_EVERY", "Evidence", "PieceEvidence", "list_pieces"]
+__all__ = ["MAX_HOLDER_LISTINGS", "REHASH_EVERY", "Evidence", "PieceEvidence", "list_holders", "list_pieces"]
 
 #: Every known piece a user reuses is re-hashed at least once every this many uses (§9.2 "Evidence").
 REHASH_EVERY = 8
@@ -35,14 +35,36 @@ Evidence = tuple[int, float, str]
 _HD = tuple[str, str]
 
 
-def list_pieces(io: RunIO, holder: str | None = None) -> dict[tuple[str, str], ListedPiece]:
-    """The run's pieces (or one holder's), by (holder, digest); other keys under ``pieces/`` are ignored."""
+def list_pieces(io: RunIO, holder: str | None = None, foreign: list[str] | None = None
+                ) -> dict[tuple[str, str], ListedPiece]:
+    """The run's pieces (or one holder's), by (holder, digest); other keys under
+    ``pieces/`` are not ckptstore's: never read nor deleted (appended to ``foreign``)."""
     prefix = pieces_prefix(io.run_id) + (f"{holder}/" if holder is not None else "")
     out: dict[tuple[str, str], ListedPiece] = {}
     for o in io.list(prefix):
         hd = parse_piece_key(io.run_id, o.key)
         if hd is not None:
             out[hd] = ListedPiece(o.key, hd[0], hd[1], o.size, o.mtime, o.version)
+        elif foreign is not None:
+            foreign.append(o.key)
+    return out
+
+
+#: Holders listed one by one at most; a record naming more is checked against one listing of the
+#: run's whole ``pieces/`` (bounded by what the store holds, never by what a record claims: a forged
+#: record naming 100,000 holders costs one listing, not 100,000)
+MAX_HOLDER_LISTINGS = 16
+
+
+def list_holders(io: RunIO, holders: Collection[str]) -> dict[tuple[str, str], ListedPiece]:
+    """The pieces of ``holders``, by (holder, digest): one listing per holder, or,
+    for more than :data:`MAX_HOLDER_LISTINGS` of them, one of the run's ``pieces/``."""
+    wanted = set(holders)
+    if len(wanted) > MAX_HOLDER_LISTINGS:
+        return {hd: lp for hd, lp in list_pieces(io).items() if hd[0] in wanted}
+    out: dict[tuple[str, str], ListedPiece] = {}
+    for h in sorted(wanted):
+        out.update(list_pieces(io, h))
     return out
 
 
@@ -91,10 +113,7 @@ class PieceEvidence:
                     self.evidence[hd] = got
 
     def _listing(self, holders: Collection[str]) -> dict[_HD, Evidence]:
-        out: dict[_HD, Evidence] = {}
-        for h in sorted(holders):
-            out.update({hd: lp.evidence for hd, lp in list_pieces(self.io, h).items()})
-        return out
+        return {hd: lp.evidence for hd, lp in list_holders(self.io, holders).items()}
 
     def triage(self, known: Mapping[_HD, int]) -> tuple[dict[_HD, Evidence], dict[_HD, str]]:
         """Before a use reuses ``known`` ((holder, digest) -> size): one listing

@@ -23,7 +23,7 @@ import blake3
 
 from ..backends.base import Backend, PendingPut
 from ..errors import CkptStoreError, CorruptionError, LimitReachedError, NotFoundError, SaveAbortedError
-from ..protocol import CommitRecord, ComponentEntry
+from ..protocol import CommitRecord, ComponentEntry, parse_save_id
 from ..protocol.layout import (
     STEP_WIDTH,
     intents_prefix,
@@ -38,7 +38,7 @@ from ..protocol.records import MAX_INTENT_RECORD, IntentRecord, PieceRef, pieces
 from ..protocol.selection import SkipReason
 from .bounded_io import RunIO
 from .hashing import CHUNK, Scatter, iter_chunks
-from .piece_evidence import Evidence, PieceEvidence, list_pieces
+from .piece_evidence import MAX_HOLDER_LISTINGS, Evidence, PieceEvidence, list_holders
 
 Problems = list[tuple[SkipReason, str]]
 #: Pieces uploaded at the same time by one ``put``.
@@ -176,6 +176,8 @@ class PieceWriter:
         self._saves: dict[str, SavePieces] = {}
         #: the intent write :meth:`learn` started in the background (joined before any other use of the intent)
         self._arming: threading.Thread | None = None
+        #: guards :attr:`_arming`: a thread is published only once started (another save's ``begin`` joins it)
+        self._arming_lock = threading.Lock()
         #: what this writer knows of the pieces it wrote or re-hashed (§9.2 "Evidence"; its ``uses``
         #: are the saves begun, its ``rehashed`` the pieces read again)
         self.evidence = PieceEvidence(io)
@@ -195,6 +197,8 @@ class PieceWriter:
         self.anchor: frozenset[tuple[str, str]] = frozenset()
         #: :attr:`commits_started` when the anchor was learned (-1: no anchor)
         self.anchor_epoch = -1
+        #: (step, attempt) of the anchor's commit (None: no anchor)
+        self.anchor_key: tuple[int, int] | None = None
         #: commits this writer started creating (:meth:`publishing`)
         self.commits_started = 0
         #: the newest (step, attempt) this writer learned not from its own publication (its resume point):
@@ -261,16 +265,20 @@ class PieceWriter:
                 except CkptStoreError:
                     pass  # no evidence: the next save re-hashes these pieces before reusing them
 
-        self._settle_arming()
-        self._arming = threading.Thread(target=arm, name="ckptstore-intent", daemon=True)
-        self._arming.start()
+        with self._arming_lock:  # the previous write first (one intent at a time), then this one, started
+            prev = self._arming
+            if prev is not None:
+                prev.join()
+            t = threading.Thread(target=arm, name="ckptstore-intent", daemon=True)
+            t.start()
+            self._arming = t
 
     def _learn_anchor(self, rec: CommitRecord | None, own: bool, names: frozenset[tuple[str, str]]) -> None:
         """§9.4 "The anchor" (under ``self._lock``): ``rec`` becomes the anchor when this writer
         published it (``own``), of its own attempt, above its resume point and above every commit
         it published before (so no commit that is not superseded is newer: saves of earlier
         attempts above the resume point are superseded by this attempt). Anything else: no anchor."""
-        self.anchor, self.anchor_epoch = frozenset(), -1
+        self.anchor, self.anchor_epoch, self.anchor_key = frozenset(), -1, None
         if rec is None:
             return
         key = (rec.step, rec.attempt)
@@ -281,22 +289,25 @@ class PieceWriter:
         self._newest_own = key if newest is None else max(newest, key)
         if rec.attempt == self.attempt and (self._floor is None or key > self._floor) \
                 and (newest is None or key > newest):
-            self.anchor, self.anchor_epoch = names, self.commits_started
+            self.anchor, self.anchor_epoch, self.anchor_key = names, self.commits_started, key
 
     @contextlib.contextmanager
-    def publishing(self, save: SavePieces | None) -> Iterator[bool]:
+    def publishing(self, save: SavePieces | None) -> Iterator[Publication]:
         """Around one publication of this writer, from its checks (§9.4) until its commit
         record was created or failed: one at a time. Yields whether ``save`` may rely on
         its anchor (:attr:`SavePieces.anchor`): it began under the anchor this writer
         still holds, and no commit of this writer started since (a newer commit would let
-        a gc delete the anchor's commit and sweep what only it names). Counts the commit as
-        started on entry, so every save begun before it relies on its intent from then on."""
+        a gc delete the anchor's commit and sweep what only it names); and that anchor's
+        (step, attempt) while it holds (what other ranks' parts may have relied on).
+        Counts the commit as started on entry, so every save begun before it relies on
+        its intent from then on."""
         with self._publish_lock:
             with self._lock:
-                ok = (save is not None and save.anchor_epoch >= 0
-                      and save.anchor_epoch == self.anchor_epoch == self.commits_started)
+                holds = self.anchor_epoch >= 0 and self.anchor_epoch == self.commits_started
+                ok = holds and save is not None and save.anchor_epoch == self.anchor_epoch
+                pub = Publication(ok, self.anchor_key if holds else None)
                 self.commits_started += 1
-            yield ok
+            yield pub
 
     def _report(self, line: str) -> None:
         with self._lock:
@@ -339,11 +350,18 @@ class PieceWriter:
         self._forget({p.digest})
         return False
 
+    def settle(self) -> None:
+        """Wait until the intent :meth:`learn` started writing landed and the
+        previous one was removed (a gc in this process then sees this writer's
+        one intent, not the one its last commit made stale)."""
+        self._settle_arming()
+
     def _settle_arming(self) -> None:
         """Wait for the intent write :meth:`learn` started, if any."""
-        t, self._arming = self._arming, None
-        if t is not None:
-            t.join()
+        with self._arming_lock:  # joined under the lock: no other intent write starts meanwhile
+            t, self._arming = self._arming, None
+            if t is not None:
+                t.join()
 
     def _arm(self, names: frozenset[tuple[str, str]]) -> Intent | None:
         """Write an intent naming ``names`` (none when empty), then remove the previous one."""
@@ -378,7 +396,7 @@ class PieceWriter:
             probe = not self.changing or self.since_probe >= PROBE_EVERY - 1
             plan = {} if probe else dict(self.changing)
             informed = bool(known) and self.known_cut_alone
-            anchor, anchor_epoch = self.anchor, self.anchor_epoch
+            anchor, anchor_epoch, anchor_key = self.anchor, self.anchor_epoch, self.anchor_key
         left = self._left_by_step(step, save_id, {p.holder for p in known.values()})
         names = frozenset((p.holder, p.digest) for p in known.values()) | frozenset(left)
         intent = self.intent
@@ -392,18 +410,22 @@ class PieceWriter:
             # reused only while the evidence that it is intact holds (§9.2 "Evidence")
             known, suspect = self._still_intact(known)
         save = SavePieces(self, save_id, known, left, intent, probe=probe, informed=informed, plan=plan,
-                          suspect=suspect, anchor=anchor, anchor_epoch=anchor_epoch)
+                          suspect=suspect, anchor=anchor, anchor_epoch=anchor_epoch, anchor_key=anchor_key)
         with self._lock:
             self._saves[save_id] = save
         return save
 
     def _left_by_step(self, step: int, save_id: str, skip: set[str]) -> dict[tuple[str, str], int]:
-        """Pieces under holders of ``step`` (other saves of the same step: a failed attempt's)."""
+        """Pieces under holders of ``step`` of *earlier* attempts (a failed or killed
+        attempt's save of the same step). A holder of this writer's own attempt is a
+        save of this job that may still be running, or that lost a commit race and
+        removes its pieces (``core.writer``): never relied on."""
         prefix = pieces_prefix(self.io.run_id) + f"{step:0{STEP_WIDTH}d}-"
         out: dict[tuple[str, str], int] = {}
         for o in self.io.list(prefix):
             hd = parse_piece_key(self.io.run_id, o.key)
-            if hd is not None and hd[0] != save_id and hd[0] not in skip:
+            sa = parse_save_id(hd[0]) if hd is not None else None
+            if hd is not None and sa is not None and sa[1] < self.attempt and hd[0] != save_id and hd[0] not in skip:
                 out[hd] = o.size
         return out
 
@@ -447,9 +469,10 @@ class SavePieces:
     seen: dict[str, tuple[tuple[int, ...], frozenset[int]]] = field(default_factory=dict)
     #: known pieces to re-hash before this save first reuses them, with their listing (§9.2 "Evidence")
     suspect: dict[tuple[str, str], tuple[int, float, str]] = field(default_factory=dict)
-    #: the writer's anchor when this save began, and its epoch (-1: none; §9.4 "The anchor")
+    #: the writer's anchor when this save began, its epoch (-1: none) and (step, attempt) (§9.4 "The anchor")
     anchor: frozenset[tuple[str, str]] = frozenset()
     anchor_epoch: int = -1
+    anchor_key: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for (holder, digest), size in self.left.items():
@@ -565,15 +588,19 @@ class SavePieces:
                     pass
         return ComponentEntry(name, sum(p.size for p in refs), pieces_digest(refs), tuple(refs))
 
-    def check_relied(self, *, anchored: bool = False) -> PieceDeadline:
+    def check_relied(self, *, anchored: bool = False, claim: bool = False) -> PieceDeadline:
         """§9.4 steps 1-2, for this process's part of the save: it ran
         shorter than its intent's lifetime less the window; every piece of
         another save it relies on is named by its intent, which is at least
         ``window`` old (waited for when needed) and not near expiry — except,
         with ``anchored`` (from :meth:`PieceWriter.publishing`, the commit made
         by this process), the pieces its anchor names, which need neither.
-        Returns the deadlines a coordinator re-checks at its publish (a rank's
-        part, :func:`check_deadlines`). Otherwise :class:`SaveAbortedError`."""
+        ``claim``: a rank's part that another process commits — when its save
+        began under the anchor it still holds and it relies on nothing else, it
+        does not wait: the deadline names the anchor, for the coordinator to
+        check at its commit (:func:`check_rank_anchors`). Returns the deadlines
+        a coordinator re-checks at its publish (a rank's part,
+        :func:`check_deadlines`). Otherwise :class:`SaveAbortedError`."""
         timing = self.owner.timing
         elapsed = time.monotonic() - self.started
         if elapsed > timing.intent_ttl - timing.window:
@@ -586,6 +613,12 @@ class SavePieces:
             reused = set(self.relied)  # other processes' (ranks') reuse is under their own intents
         if anchored:
             reused -= self.anchor  # kept by every gc while this save publishes (§9.4 "The anchor")
+        elif claim and reused and reused <= self.anchor and self.anchor_key is not None \
+                and self.anchor_key == self.owner.anchor_key:
+            intent = self.intent
+            landed = None if intent is None else timing.clock() - (time.monotonic() - intent.landed)
+            return PieceDeadline(deadline.started_at, None if intent is None else intent.record.expires_at,
+                                 anchor=self.anchor_key, intent_landed_at=landed)
         if reused:
             intent = self.intent
             if intent is None or not reused <= intent.names:
@@ -618,27 +651,53 @@ class SavePieces:
 
 
 @dataclass(frozen=True)
+class Publication:
+    """What :meth:`PieceWriter.publishing` tells a publication: whether its own
+    save may rely on its anchor, and the (step, attempt) of the writer's anchor
+    while it holds (None: it does not)."""
+
+    anchored: bool
+    anchor_key: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
 class PieceDeadline:
     """What one process's part of a save must still satisfy when another
     process (the coordinator) publishes it (§9.4): the save began at
     ``started_at`` and the intent it relies on (if any) expires at
-    ``intent_expires_at`` (epoch seconds)."""
+    ``intent_expires_at`` (epoch seconds). ``anchor``: the part relied, without
+    waiting for its intent, on the pieces of the commit (step, attempt) it
+    learned last (§9.4 "The anchor"); ``intent_landed_at``: when its intent
+    naming them landed (epoch seconds), for the coordinator to wait on when
+    that commit is no longer the newest."""
 
     started_at: float
     intent_expires_at: float | None
+    anchor: tuple[int, int] | None = None
+    intent_landed_at: float | None = None
 
-    def to_json(self) -> dict[str, float | None]:
-        return {"started_at": self.started_at, "intent_expires_at": self.intent_expires_at}
+    def to_json(self) -> dict[str, object]:
+        return {"started_at": self.started_at, "intent_expires_at": self.intent_expires_at,
+                "anchor": list(self.anchor) if self.anchor is not None else None,
+                "intent_landed_at": self.intent_landed_at}
 
     @classmethod
     def from_json(cls, d: object) -> PieceDeadline:
         """Strict: a malformed report is a :class:`SaveAbortedError` (nothing is published on it)."""
+
+        def time_or_none(v: object) -> float | None:
+            assert v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+            return None if v is None else float(v)
+
         try:
-            assert isinstance(d, dict) and set(d) == {"started_at", "intent_expires_at"}
-            start, exp = d["started_at"], d["intent_expires_at"]
-            assert isinstance(start, int | float) and not isinstance(start, bool)
-            assert exp is None or (isinstance(exp, int | float) and not isinstance(exp, bool))
-            return cls(float(start), None if exp is None else float(exp))
+            assert isinstance(d, dict) and set(d) == {"started_at", "intent_expires_at", "anchor", "intent_landed_at"}
+            start = time_or_none(d["started_at"])
+            assert start is not None
+            a = d["anchor"]
+            assert a is None or (isinstance(a, list) and len(a) == 2
+                                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in a))
+            return cls(start, time_or_none(d["intent_expires_at"]), None if a is None else (a[0], a[1]),
+                       time_or_none(d["intent_landed_at"]))
         except AssertionError:
             raise SaveAbortedError(f"a rank's piece deadline report is malformed: {str(d)[:200]}; "
                                    "nothing was published") from None
@@ -658,6 +717,31 @@ def check_deadlines(deadlines: Mapping[int, PieceDeadline], timing: PieceTiming,
             raise SaveAbortedError(f"save {save_id}: the save intent rank {rank} relies on expired; nothing was published")
 
 
+def check_rank_anchors(deadlines: Mapping[int, PieceDeadline], anchor: tuple[int, int] | None, timing: PieceTiming,
+                       save_id: str) -> None:
+    """At the coordinator's commit, inside its :meth:`PieceWriter.publishing`
+    (``anchor``: its anchor's (step, attempt) while it holds): a rank's part
+    that relied on its anchor without waiting is protected when that anchor
+    is the coordinator's, the newest commit of the attempt (every gc keeps
+    it). Otherwise the part relied on its intent after all: the commit waits
+    until that intent is ``window`` old by this clock, and refuses one that
+    never landed or expires within the window (:class:`SaveAbortedError`)."""
+    late = {r: d for r, d in sorted(deadlines.items()) if d.anchor is not None and d.anchor != anchor}
+    for r, d in late.items():
+        if d.intent_landed_at is None or d.intent_expires_at is None:
+            raise SaveAbortedError(f"save {save_id}: rank {r}'s part relied on the pieces of step {d.anchor[0]}, "  # type: ignore[index]
+                                   "which is no longer the newest commit, and no save intent names them; "
+                                   "nothing was published")
+    if late:
+        wait = max(d.intent_landed_at or 0.0 for d in late.values()) + timing.window - timing.clock()
+        if wait > 0:
+            timing.sleep(wait)
+        now = timing.clock()
+        for r, d in late.items():
+            if d.intent_expires_at is not None and now > d.intent_expires_at - timing.window:
+                raise SaveAbortedError(f"save {save_id}: the save intent rank {r} relies on expired; nothing was published")
+
+
 def check_present(io: RunIO, components: Mapping[str, ComponentEntry], save_id: str) -> None:
     """§9.4 step 3: every piece ``components`` name is there with its size, else :class:`SaveAbortedError`."""
     problems = check_pieces(io, components.values(), None, deep=False)
@@ -670,10 +754,7 @@ def check_present(io: RunIO, components: Mapping[str, ComponentEntry], save_id: 
 
 # ----------------------------------------------------------- checking, reading
 def _holder_listing(io: RunIO, holders: Iterable[str]) -> dict[tuple[str, str], int]:
-    out: dict[tuple[str, str], int] = {}
-    for h in sorted(set(holders)):
-        out.update({hd: p.size for hd, p in list_pieces(io, h).items()})
-    return out
+    return {hd: p.size for hd, p in list_holders(io, set(holders)).items()}
 
 
 def check_pieces(
@@ -759,15 +840,17 @@ def pieces_lacking(ref_record: CommitRecord, target: Backend, run_id: str | None
     """The pieces of a save that ``target`` (another store's backend, e.g. a
     durable tier) does not hold with their recorded size, once each, in the
     record's order: replication uploads only these (and the components that
-    are not pieced, and the records). One listing per holder on ``target``."""
+    are not pieced, and the records). One listing per holder on ``target``
+    (one of its whole ``pieces/`` past ``MAX_HOLDER_LISTINGS`` holders)."""
     rid = run_id or ref_record.run_id
     have: dict[tuple[str, str], int] = {}
     holders = {p.holder for c in ref_record.components.values() for p in c.pieces or ()}
-    for h in sorted(holders):
-        prefix = pieces_prefix(rid) + f"{h}/"
+    prefixes = [pieces_prefix(rid) + f"{h}/" for h in sorted(holders)] if len(holders) <= MAX_HOLDER_LISTINGS \
+        else [pieces_prefix(rid)]
+    for prefix in prefixes:
         for o in target.list(prefix):
             hd = parse_piece_key(rid, o.key)
-            if hd is not None:
+            if hd is not None and hd[0] in holders:
                 have[hd] = o.size
     out: list[PieceRef] = []
     seen: set[tuple[str, str]] = set()

@@ -38,12 +38,23 @@ from ..protocol import (
     save_prefix,
     validate_component_name,
 )
+from ..protocol.layout import piece_key
 from ..protocol.selection import SaveRef
 from ..util.redact import redact_text
 from .bounded_io import RunIO
 from .fencing import AttemptLog
 from .hashing import check_data
-from .pieces import SETTLE_BATCH, PieceWriter, SavePieces, check_pieces, check_present
+from .pieces import (
+    SETTLE_BATCH,
+    PieceDeadline,
+    PieceTiming,
+    PieceWriter,
+    Publication,
+    SavePieces,
+    check_pieces,
+    check_present,
+    check_rank_anchors,
+)
 from .record_auth import RecordAuth
 
 #: components :meth:`StagedSave.put_many` writes at the same time
@@ -246,12 +257,28 @@ class StagedSave:
             self.abort()
 
 
-def remove_components(io: RunIO, save_id: str, names: Mapping[str, object] | Sequence[str]) -> None:
+def remove_components(io: RunIO, save_id: str, names: Mapping[str, object] | Sequence[str], *,
+                      own_pieces: bool = False) -> None:
+    """Remove what a save that will never be published wrote (best effort; gc
+    removes leftovers). A pieced component has no object of its own: with
+    ``own_pieces`` (the save's step and attempt are committed by another save,
+    or the store is full) the pieces it holds under its own ID go too; else
+    they stay for a retry of the step to reuse (§9.2 "Skipping"). No save of
+    this attempt relies on them (``PieceWriter._left_by_step`` takes earlier
+    attempts' only)."""
+    doomed: set[str] = set()
     for name in list(names):
         if isinstance(names, Mapping) and isinstance(c := names[name], ComponentEntry) and c.pieces is not None:
-            continue  # a pieced component has no object of its own
+            if own_pieces:
+                doomed |= {p.digest for p in c.pieces if p.holder == save_id}
+            continue
         try:
             io.backend.delete(component_key(io.run_id, save_id, name))
+        except Exception:  # noqa: BLE001 - best effort; gc removes leftovers
+            pass
+    for digest in sorted(doomed):
+        try:
+            io.backend.delete(piece_key(io.run_id, save_id, digest))
         except Exception:  # noqa: BLE001 - best effort; gc removes leftovers
             pass
 
@@ -287,7 +314,7 @@ def _settle_failed_commit(
     try:
         there = ctx.io.get_bounded(key, len(data))
     except NotFoundError:
-        remove_components(ctx.io, save_id, comps)  # nothing published; the caller re-raises the failure
+        remove_components(ctx.io, save_id, comps, own_pieces=True)  # nothing published; the caller re-raises
         return
     except StoreUnavailableError as again:
         raise CommitUnknownError(
@@ -305,12 +332,13 @@ def _settle_failed_commit(
 def _check(
     ctx: WriterContext, step: int, save_id: str, comps: dict[str, ComponentEntry],
     ranks: Mapping[int, Sequence[str]] | None, expect: Sequence[str], pieces: SavePieces | None,
-    anchored: bool = False,
+    pub: Publication | None = None, rank_pieces: Mapping[int, PieceDeadline] | None = None,
 ) -> dict[int, tuple[str, ...]] | None:
     """Publish, step 1 (§4.3 steps 4-5): the inventory is complete and landed
-    (pieces included, §9.4; ``anchored``: the save may rely on its anchor,
-    ``PieceWriter.publishing``), and no later attempt forked before this step.
-    Returns the rank map. Before raising, what was written is removed."""
+    (pieces included, §9.4; ``pub``: whether the save may rely on its anchor,
+    ``PieceWriter.publishing``; ``rank_pieces``: the other ranks' parts, whose
+    anchors are checked against it), and no later attempt forked before this
+    step. Returns the rank map. Before raising, what was written is removed."""
     check_save_id(ctx, step, save_id)
     pending = [n for n, c in comps.items() if c.size < 0]
     if pending:
@@ -335,8 +363,11 @@ def _check(
         raise InvalidInputError(f"run {ctx.io.run_id!r} is protocol version {ctx.io.layout.version}: its saves "
                                 "cannot name pieces (version 3 and later)")
     try:
+        if rank_pieces:
+            check_rank_anchors(rank_pieces, pub.anchor_key if pub is not None else None, ctx.pieces.timing
+                               if ctx.pieces is not None else PieceTiming(), save_id)
         if pieces is not None:
-            pieces.check_before_publish(comps, anchored=anchored)
+            pieces.check_before_publish(comps, anchored=pub is not None and pub.anchored)
         elif pieced:
             problems = check_pieces(ctx.io, comps.values(), None, deep=False)
             if problems:
@@ -393,7 +424,7 @@ def _create(
     if not created:
         if again_ok and ctx.io.get_bounded(key, len(data) + 1) == data:
             return False
-        remove_components(ctx.io, save_id, comps)
+        remove_components(ctx.io, save_id, comps, own_pieces=True)  # the step is another save's for good
         raise CommitConflictError(
             f"{ctx.io.where(key)}: step {step} was already committed by another writer of "
             f"attempt {ctx.attempt.number}; this save ({save_id}) was not published"
@@ -446,9 +477,12 @@ def publish(
     world_size: int | None = None,
     expect: Sequence[str] = (),
     pieces: SavePieces | None = None,
+    rank_pieces: Mapping[int, PieceDeadline] | None = None,
 ) -> SaveRef:
     """Publish a staged save (§4.3 steps 4-7): check (inventory, pieces,
     pre-commit fence), seal the record, create it if absent, post-commit fence.
+    ``rank_pieces``: a coordinator's, the other ranks' piece deadlines (their
+    anchors checked in the same critical section as the commit, §9.4).
 
     Every failure raises a :class:`SaveNotPublishedError` subclass. Before the
     commit, the staged components are removed; after an unknown outcome
@@ -458,8 +492,8 @@ def publish(
     comps = dict(components)
     if pieces is None and ctx.pieces is not None:
         pieces = ctx.pieces.active(save_id)
-    with _publishing(ctx, pieces) as anchored:
-        rank_map = _check(ctx, step, save_id, comps, ranks, expect, pieces, anchored)
+    with _publishing(ctx, pieces) as pub:
+        rank_map = _check(ctx, step, save_id, comps, ranks, expect, pieces, pub, rank_pieces)
         record = _seal(ctx, step, save_id, comps, metadata, rank_map, world_size)
         commit_record(ctx, step, save_id, record, comps)
     if ctx.pieces is not None:
@@ -511,10 +545,10 @@ def publish_part(ctx: WriterContext, record: CommitRecord, names: Sequence[str])
         raise SaveAbortedError(f"save of step {step}: component(s) {unknown[:5]} are not in the record; not published")
     mine = {n: record.components[n] for n in names}
     staged = ctx.pieces.active(save_id) if ctx.pieces is not None else None
-    with _publishing(ctx, staged) as anchored:
+    with _publishing(ctx, staged) as pub:
         try:
             if staged is not None:
-                staged.check_before_publish(mine, anchored=anchored)
+                staged.check_before_publish(mine, anchored=pub.anchored)
             elif any(c.pieces is not None for c in mine.values()):
                 check_present(ctx.io, mine, save_id)
             _verify_inventory(ctx, step, save_id, mine)
@@ -526,10 +560,10 @@ def publish_part(ctx: WriterContext, record: CommitRecord, names: Sequence[str])
     return SaveRef.of(record)
 
 
-def _publishing(ctx: WriterContext, pieces: SavePieces | None) -> AbstractContextManager[bool]:
+def _publishing(ctx: WriterContext, pieces: SavePieces | None) -> AbstractContextManager[Publication]:
     """A publication's checks and commit, one at a time per piece writer (version 3:
     ``PieceWriter.publishing``, which also says whether the save may rely on its anchor)."""
-    return ctx.pieces.publishing(pieces) if ctx.pieces is not None else nullcontext(False)
+    return ctx.pieces.publishing(pieces) if ctx.pieces is not None else nullcontext(Publication(False, None))
 
 
 class SaveWriter:

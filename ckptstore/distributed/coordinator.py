@@ -240,7 +240,7 @@ class DistributedSave:
         report: dict[str, Any] = {"ok": True, "components": {n: entry_to_json(c) for n, c in sorted(comps.items())}}
         pieces = self._staged.pieces
         if pieces is not None:
-            report["pieces"] = pieces.check_relied().to_json()
+            report["pieces"] = pieces.check_relied(claim=True).to_json()
         return report
 
     # ----------------------------------------------------------------- finish
@@ -291,7 +291,8 @@ class DistributedSave:
             check_deadlines(deadlines, store.piece_timing, self.save_id)  # each rank's intent still protects its part
             _reached("before_publish")
             ref = store.publish(
-                self.step, self.save_id, comps, metadata=self.metadata, ranks=ranks, world_size=ch.world_size
+                self.step, self.save_id, comps, metadata=self.metadata, ranks=ranks, world_size=ch.world_size,
+                rank_pieces=deadlines,
             )
             _reached("after_publish")
             outcome: dict[str, Any] = {"ok": True, "ref": ref.to_json()}

@@ -36,8 +36,9 @@ MAX_ATTEMPT = 10**ATTEMPT_WIDTH - 1
 #: plus pieces addressed by content (PROTOCOL.md §9); new runs get
 #: :data:`DEFAULT_VERSION` unless their creator asks for another.
 PROTOCOL_VERSION = 3
-#: The version of runs created without asking for one.
-DEFAULT_VERSION = 2
+#: The version of runs created without asking for one (``ckptstore.options.new_run_version`` says
+#: which options ask for version 2 instead).
+DEFAULT_VERSION = 3
 #: The first version whose saves store their bytes as shared pieces.
 PIECES_VERSION = 3
 
@@ -371,7 +372,7 @@ LAYOUT_V2 = Layout(2)
 #: Version 3: the names of version 2, saves stored as pieces addressed by content.
 LAYOUT_V3 = Layout(3)
 #: The layout of runs created without asking for a version (``DEFAULT_VERSION``).
-LATEST_LAYOUT = LAYOUT_V2
+LATEST_LAYOUT = LAYOUT_V3
 _LAYOUTS = {1: LAYOUT_V1, 2: LAYOUT_V2, 3: LAYOUT_V3}
 
 

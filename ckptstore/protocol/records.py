@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -317,6 +317,37 @@ class ComponentEntry:
         if self.pieces is not None:
             out["pieces"] = [p.to_json() for p in self.pieces]
         return out
+
+    def matches(self, blocks: Iterable[Any]) -> bool:
+        """Whether ``blocks`` (buffers, in order) are exactly the bytes this
+        entry promises: its size and BLAKE3 — or, stored as pieces, each
+        piece's size and digest in turn, so the same bytes match whatever
+        cuts their writer chose. Stops reading at the first difference."""
+        if self.pieces is None:
+            h, n = blake3.blake3(), 0
+            for b in blocks:
+                n += memoryview(b).nbytes
+                if n > self.size:
+                    return False
+                h.update(b)
+            return n == self.size and h.hexdigest() == self.blake3
+        it = iter(self.pieces)
+        cur = next(it, None)
+        h, left = blake3.blake3(), (cur.size if cur is not None else 0)
+        for b in blocks:
+            view = memoryview(b).cast("B")
+            while len(view):
+                if cur is None:
+                    return False  # more bytes than the pieces hold
+                take = min(left, len(view))
+                h.update(view[:take])
+                view, left = view[take:], left - take
+                if left == 0:
+                    if h.hexdigest() != cur.digest:
+                        return False
+                    cur = next(it, None)
+                    h, left = blake3.blake3(), (cur.size if cur is not None else 0)
+        return cur is None
 
 
 def _decode_pieces(raw: object, where: str, name: str, size: int, digest: str) -> tuple[PieceRef, ...]:

@@ -103,7 +103,10 @@ def _digest(backend: Backend, key: str) -> tuple[int, str]:
 
 def invariant_1_violations(backend: Backend, run_id: str, *, known_good: set[str] | None = None) -> list[str]:
     """Invariant 1, checked raw: for every commit record of the run, every
-    component it lists exists with the recorded size and BLAKE3 digest.
+    component it lists exists with the recorded size and BLAKE3 digest — a
+    component stored as pieces (protocol version 3: ``"pieces": [[holder,
+    digest, size], ...]``) as every piece at ``<run>/pieces/<holder>/<digest>``
+    with its size and BLAKE3, each distinct piece read once.
 
     Returns one line per violation (empty: the invariant holds). A record of a
     newer protocol version is not judged (it may use another layout); an
@@ -115,6 +118,7 @@ def invariant_1_violations(backend: Backend, run_id: str, *, known_good: set[str
     may delete a verified save's components (clear it after a gc).
     """
     problems: list[str] = []
+    pieces_seen: dict[str, tuple[int, str] | None] = {}  # piece key -> (size, digest); None: missing
     for c in raw_commits(backend, run_id, skip=known_good if known_good is not None else ()):
         where = f"commit {c.key}"
         before = len(problems)
@@ -122,7 +126,7 @@ def invariant_1_violations(backend: Backend, run_id: str, *, known_good: set[str
             problems.append(f"{where}: {c.problem}")
             continue
         version = c.record.get("protocol_version")
-        if isinstance(version, int) and version > 2:
+        if isinstance(version, int) and version > 3:
             continue
         comps = c.record.get("components")
         sid = c.save_id
@@ -130,6 +134,10 @@ def invariant_1_violations(backend: Backend, run_id: str, *, known_good: set[str
             problems.append(f"{where}: record has no save_id or no components")
             continue
         for name, entry in sorted(comps.items()):
+            pieces = entry.get("pieces") if isinstance(entry, Mapping) else None
+            if pieces is not None:
+                problems += _pieces_violations(backend, run_id, where, name, pieces, pieces_seen)
+                continue
             key = f"{run_id}/saves/{sid}/{name}"
             try:
                 size, digest = _digest(backend, key)
@@ -145,6 +153,32 @@ def invariant_1_violations(backend: Backend, run_id: str, *, known_good: set[str
         if known_good is not None and len(problems) == before:
             known_good.add(c.key)
     return problems
+
+
+def _pieces_violations(backend: Backend, run_id: str, where: str, name: str, pieces: object,
+                       seen: dict[str, tuple[int, str] | None]) -> list[str]:
+    if not isinstance(pieces, list):
+        return [f"{where}: component {name!r} has a malformed piece list"]
+    out: list[str] = []
+    for p in pieces:
+        if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[1], str)):
+            out.append(f"{where}: component {name!r} has a malformed piece entry")
+            continue
+        holder, digest, want = p
+        key = f"{run_id}/pieces/{holder}/{digest}"
+        if key not in seen:
+            try:
+                seen[key] = _digest(backend, key)
+            except NotFoundError:
+                seen[key] = None
+        got = seen[key]
+        if got is None:
+            out.append(f"{where}: component {name!r}: piece {digest[:16]} of save {holder} is MISSING ({key})")
+        elif got[0] != want:
+            out.append(f"{where}: component {name!r}: piece {digest[:16]} has {got[0]} bytes, the record says {want}")
+        elif got[1] != digest:
+            out.append(f"{where}: component {name!r}: piece {digest[:16]} does not match its BLAKE3")
+    return out
 
 
 def assert_invariant_1(backend: Backend, run_id: str, context: str = "") -> None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from ..core.bounded_io import RunIO
-from ..core.piece_evidence import list_pieces
+from ..core.piece_evidence import MAX_HOLDER_LISTINGS, list_holders
 from ..core.pieces import RENEW_SHARE, PieceTiming
 from ..errors import SaveAbortedError
 from ..protocol import CommitRecord
@@ -121,10 +121,9 @@ class DurableIntent:
             return {hd: need[hd] for hd in reuse}
         self._arm(set(need))
         self._wait_window()
-        there: Names = {}
-        for holder in sorted({h for h, _ in need}):
-            self.listings += 1
-            there.update({hd: p.size for hd, p in list_pieces(self.io, holder).items()})
+        holders = {h for h, _ in need}
+        self.listings += min(len(holders), MAX_HOLDER_LISTINGS + 1)
+        there: Names = {hd: p.size for hd, p in list_holders(self.io, holders).items()}
         self.doubtful = False
         have = {hd: size for hd, size in need.items() if there.get(hd) == size}
         self.relying = bool(have) or bool(foreign) or (every and bool(need))

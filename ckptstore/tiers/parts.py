@@ -39,7 +39,7 @@ from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, part_names
 from ..core.commit_names import CommitKeys
 from ..core.fencing import AttemptLog
-from ..core.piece_evidence import list_pieces
+from ..core.piece_evidence import list_holders
 from ..core.pieces import PieceTiming, check_pieces
 from ..core.record_auth import RecordAuth
 from ..errors import CkptStoreError, TransientError
@@ -232,7 +232,7 @@ class PartCopier:
         while True:
             listed = {o.key[len(prefix):]: o.size for o in durable.list(prefix)} if plain else {}
             missing = sorted(n for n, c in plain.items() if listed.get(n) != c.size)
-            there = {hd: lp for h in holders for hd, lp in list_pieces(durable, h).items()}
+            there = list_holders(durable, holders)
             lacking = {c.name for c in pieced if check_pieces(durable, [c], there, deep=False)}
             missing = sorted(set(missing) | lacking)
             if not missing:

@@ -33,7 +33,7 @@ import blake3
 from ..core.collector import GcReport
 from ..core.fencing import AttemptView
 from ..core.one_tier import OneTier
-from ..core.pieces import PieceWriter
+from ..core.pieces import PieceDeadline, PieceWriter
 from ..core.reader import Reader, VerifyReport
 from ..core.writer import StagedSave, WriterContext, publish, publish_part, seal_record
 from ..errors import (
@@ -503,9 +503,10 @@ class TierSet:
     def publish(
         self, ctx: WriterContext, step: int, save_id: str, components: Mapping[str, ComponentEntry], *,
         metadata: Mapping[str, Any] | None, ranks: Mapping[int, Sequence[str]] | None, world_size: int | None,
-        expect: Sequence[str],
+        expect: Sequence[str], rank_pieces: Mapping[int, PieceDeadline] | None = None,
     ) -> SaveRef:
-        """Publish locally (the local backend's atomic commit), queue for replication."""
+        """Publish locally (the local backend's atomic commit), queue for replication. ``rank_pieces``
+        is not needed here: every rank checks its own part again when it commits it in its local tier."""
         assert self.attempt is not None and self.replicator is not None
         ctx = self.local.writer(self.attempt, self.writer_id, self.pieces)
         if self.rank is not None and ranks is not None:

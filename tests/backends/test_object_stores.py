@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from ckptstore import CheckpointStore, StoreUnavailableError
+from ckptstore import CheckpointStore, OpenOptions, StoreUnavailableError
 from ckptstore.backends.base import Backend
 from ckptstore.backends.schemes import backend_from_url as object_store_backend
 from ckptstore.cli.commands import main as cli_main
@@ -100,7 +100,8 @@ def test_unreachable_endpoint_is_one_clear_error(backend_kind, object_servers) -
 
 
 def test_empty_prefix_after_gc_is_not_a_save(backend_factory) -> None:  # type: ignore[no-untyped-def]
-    st = CheckpointStore.open(backend_factory(), "run", identity=IDENT)
+    # version 2: the save prefixes under saves/ that gc empties (version 3 writes pieces/)
+    st = CheckpointStore.open(backend_factory(), "run", identity=IDENT, options=OpenOptions(protocol_version=2))
     for s in (1, 2, 3):
         save(st, s)
     st.gc(keep_last=1, grace_seconds=0)

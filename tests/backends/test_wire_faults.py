@@ -34,6 +34,7 @@ import pytest
 from ckptstore import (
     CheckpointStore,
     CommitUnknownError,
+    OpenOptions,
     SaveAbortedError,
     StoreUnavailableError,
 )
@@ -129,6 +130,9 @@ DEFAULT_CELLS: dict[str, list[tuple[Fault, int | None]]] = {
     "gc-delete": _pick("drop_response", "reset_after", "status:503"),
 }
 FULL = bool(os.environ.get("CKPT_WIRE_FULL"))
+# "component-put" faults version 2's whole-component uploads under saves/ (version 3 uploads pieces/), and
+# "kept its components" is about version 2's whole components (the mutation check's unknown-outcome-deletes-components)
+V2 = OpenOptions(protocol_version=2)
 
 
 # ------------------------------------------------------------------ fixtures
@@ -307,8 +311,8 @@ def run_cell(st: State, fault: Fault, target: str, times: int | None) -> str:
     return outcome
 
 
-def new_state(wire: Wire) -> State:
-    writer = CheckpointStore.open(wire.backend(proxied=True), "run", identity=IDENT, retry=RETRY)
+def new_state(wire: Wire, options: OpenOptions | None = None) -> State:
+    writer = CheckpointStore.open(wire.backend(proxied=True), "run", identity=IDENT, retry=RETRY, options=options)
     save(writer, 1)
     st = State(wire, writer, acked=1, next_step=2)
     check_store(st, "setup")
@@ -341,7 +345,7 @@ def test_wire_fault_matrix_other_operations(wire: Wire, target: str) -> None:
 
 
 def run_matrix(wire: Wire, target: str) -> None:
-    st = new_state(wire)
+    st = new_state(wire, V2 if target == "component-put" else None)
     cells = ALL_CELLS if FULL else DEFAULT_CELLS[target]
     for fault, times in cells:
         run_cell(st, fault, target, times=times)
@@ -373,7 +377,7 @@ def test_lost_acknowledgement_of_the_commit_is_real_and_settled(wire: Wire) -> N
 def test_every_commit_answer_lost_is_unknown_and_nothing_is_lost(wire: Wire) -> None:
     """Every answer about the commit is dropped: CommitUnknownError. The record
     landed, the writer kept its components, and a fresh reader selects it."""
-    st = new_state(wire)
+    st = new_state(wire, V2)  # version 2: a writer could delete its whole components (version 3 never deletes pieces)
     wire.proxy.add(Fault("drop_response"), writes("/commits/"), times=None)
     with pytest.raises(CommitUnknownError):
         save(st.writer, 2)

@@ -22,13 +22,18 @@ from torch.utils.data.distributed import DistributedSampler
 from ckptstore import CheckpointStore, InvalidInputError, SaveState
 from ckptstore import protocol as P
 from ckptstore.backends.schemes import backend_from_url
+from ckptstore.protocol.selection import SaveRef
 from ckptstore.torch import Checkpointer, ResumableLoader, ResumableSampler
 from tests.conftest import selected_kinds
 from tests.helpers import RawAccess
+from tests.incremental.common import stored_at
 from tests.workers.dist_launch import RankResult, run_job
 
 WORKER = str(Path(__file__).parents[1] / "workers" / "rank_worker.py")
 STOP = 10  # the uninterrupted run's length (saves after steps 1, 3, 5, 7, 9)
+#: test_retention_on_two_ranks_keeps_the_two_newest_saves sees what retention left by version 2's save
+#: folders (version 3 keeps them empty: its pieces' retention, tests/store/test_incremental_retention.py)
+SAVE_FOLDERS_VERSION = 2
 
 
 def job(world: int, url: str, opts: dict[str, Any] | None = None, **args: Any) -> list[RankResult]:
@@ -80,13 +85,13 @@ def saved_ids(url: str, opts: dict[str, Any]) -> set[str]:
     return {o.key[len(prefix):].split("/", 1)[0] for o in st.backend.list(prefix)}
 
 
-def flip(url: str, save_id: str, name: str) -> None:
-    """One bit of a stored component, written straight to the storage."""
-    key = P.component_key("run", save_id, name)
+def flip(url: str, ref: SaveRef, name: str) -> None:
+    """One bit of a stored component (its file; on version 3 its piece), written straight to the storage."""
+    key, at = stored_at("run", ref, name, -3)  # in the last tensor's bytes
     raw = RawAccess(backend_from_url(url))
     data = bytearray(raw.get(key) or b"")
     assert data
-    data[len(data) - 3] ^= 0x01  # in the last tensor's bytes
+    data[at] ^= 0x01
     raw.set(key, bytes(data))
 
 
@@ -98,7 +103,7 @@ def test_retention_on_two_ranks_keeps_the_two_newest_saves(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest, uninterrupted: list[dict[str, Any]]
 ) -> None:
     url, opts = where(kind, tmp_path, request)
-    first = trained(job(2, url, opts, stop=7, keep_last=2))  # saves 1, 3, 5
+    first = trained(job(2, url, opts, stop=7, keep_last=2, protocol_version=SAVE_FOLDERS_VERSION))  # saves 1, 3, 5
     assert all(not o["retention_errors"] and not o["warnings"] for o in first), first
     assert committed_steps(url, opts) == [3, 5]
     st = CheckpointStore.open(url, "run", mode="r", storage_options=opts or None)
@@ -118,7 +123,9 @@ def test_corrupt_part_on_rank1_falls_back_on_every_rank(
     url = str(tmp_path / "store")
     trained(job(2, url, stop=5))  # saves 1, 3
     bad = CheckpointStore.open(url, "run", mode="r").get_save(3)
-    flip(url, bad.save_id, "rank1/model.safetensors")  # same size: the cheap selection picks step 3
+    # rank 1's own bytes: under DDP both ranks' model and optimizer bytes are equal, and a version-3 run
+    # stores them once (one piece two parts name); the random streams differ per rank
+    flip(url, bad, "rank1/rng.safetensors")  # same size: the cheap selection picks step 3
 
     resumed = trained(job(2, url, stop=STOP, resume_verify="cheap"))
     # both ranks moved to the same older save, in the same new attempt, and continue exactly
@@ -132,7 +139,7 @@ def test_corrupt_part_on_rank1_falls_back_on_every_rank(
     pay = ev[0]["payload"]
     assert (pay["from_step"], pay["to_step"], pay["attempt"]) == (3, 1, 3)
     assert len(pay["reasons"]) == 1 and pay["reasons"][0].startswith("rank 1: step 3")
-    assert "rank1/model.safetensors" in pay["reasons"][0]
+    assert "rank1/rng.safetensors" in pay["reasons"][0]
     # the corrupt save left the run's history: the newest complete save is the resumed job's
     latest = CheckpointStore.open(url, "run", mode="r").latest_complete(deep=True)
     assert latest is not None and latest.step == STOP - 1 and latest.attempt == 3
@@ -142,7 +149,7 @@ def test_no_intact_save_left_is_the_same_error_on_every_rank(tmp_path: Path) -> 
     url = str(tmp_path / "store")
     trained(job(2, url, stop=2))  # one save (step 1)
     ref = CheckpointStore.open(url, "run", mode="r").get_save(1)
-    flip(url, ref.save_id, "rank1/optimizer.safetensors")
+    flip(url, ref, "rank1/optimizer.safetensors")
     outs = results(job(2, url, stop=4, resume_verify="cheap"), "ckpt")
     assert [o.get("type") for o in outs] == ["CorruptionError"] * 2, outs
     assert outs[0]["message"] == outs[1]["message"]

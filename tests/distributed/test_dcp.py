@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptstore import CheckpointStore, CorruptionError
-from ckptstore import protocol as P
 from ckptstore.distributed.dcp import METADATA_COMPONENT, StoreReader, StoreWriter
 from tests.conftest import selected_kinds
 from tests.helpers import IDENT
+from tests.incremental.common import stored_at
 from tests.workers.dist_launch import RankResult, run_job
 
 WORKER = str(Path(__file__).parents[1] / "workers" / "dcp_worker.py")
@@ -143,10 +143,10 @@ def test_reader_verifies_every_range(tmp_path: Path) -> None:
     assert ref is not None
     doc = json.loads(store.read(ref, METADATA_COMPONENT))
     item = next(i for i in doc["items"] if i["index"]["fqn"] == "b")
-    key = P.component_key(store.run_id, ref.save_id, item["component"])
+    key, at = stored_at(store.run_id, ref, item["component"], item["offset"] + 3)  # its file; on version 3 a piece
     path = tmp_path / "s" / key
     raw = bytearray(path.read_bytes())
-    raw[item["offset"] + 3] ^= 0x40  # one bit flip inside item "b", size unchanged
+    raw[at] ^= 0x40  # one bit flip inside item "b", size unchanged
     path.write_bytes(bytes(raw))
     target = {"a": torch.zeros(100), "b": torch.zeros(50)}
     with pytest.raises(BaseException) as ei, warnings.catch_warnings():

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointStore, CorruptionError, SaveState, StoreUnavailableError
+from ckptstore import CheckpointStore, CorruptionError, OpenOptions, SaveState, StoreUnavailableError
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
@@ -32,6 +32,9 @@ from ckptstore.protocol.records import AttemptRecord
 from tests.helpers import IDENT, RawAccess
 
 RUN = "run"
+#: the tests that read or plant whole components under saves/ (payload_of) use version 2's layout
+#: (version 3's planted pieces: tests/incremental, tests/fail_closed/test_peer_pieces.py)
+V2 = OpenOptions(protocol_version=2)
 
 #: other scripts' digits that ``\d`` matches and ``int()`` reads as 0-9
 DIGIT_SETS = {
@@ -224,7 +227,7 @@ def test_twins_of_real_names_replace_nothing_and_gc_keeps_every_save(
 
 @pytest.mark.backends("memory", "local")
 def test_a_commit_name_with_a_trailing_newline_is_not_the_commit(env: Env) -> None:
-    st = writer(env)
+    st = writer(env, options=V2)
     save(st, 1)
     good = save(st, 2)
     RawAccess(env.backend()).set(P.LATEST_LAYOUT.commit_key(RUN, 2, 1) + "\n", b"junk")
@@ -284,7 +287,7 @@ def _tear(data: bytes, how: str, save_id: str) -> bytes:
 def test_unreadable_commit_record_keeps_its_save_through_gc(
     env: Env, capsys: pytest.CaptureFixture[str], how: str
 ) -> None:
-    st = writer(env)
+    st = writer(env, options=V2)
     save(st, 1)
     good = save(st, 2)
     hurt = save(st, 3)
@@ -317,7 +320,7 @@ def test_unreadable_commit_record_keeps_its_save_through_gc(
 
 @pytest.mark.backends("memory", "local", "seaweedfs")
 def test_the_only_save_behind_a_torn_record_survives_gc(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    st = writer(env)
+    st = writer(env, options=V2)
     only = save(st, 5)
     data = payload_of(env, only)
     raw = RawAccess(env.backend())
@@ -340,7 +343,7 @@ def test_the_only_save_behind_a_torn_record_survives_gc(env: Env, capsys: pytest
 def test_names_that_are_not_component_names_are_left_alone_by_gc(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    st = writer(env)
+    st = writer(env, options=V2)
     old = save(st, 1)
     good = save(st, 2)
     payload = payload_of(env, good)
@@ -384,7 +387,7 @@ def test_names_that_are_not_component_names_are_left_alone_by_gc(
 def test_a_junk_top_attempt_record_is_named_in_the_writers_error(
     env: Env, capsys: pytest.CaptureFixture[str], junk: str
 ) -> None:
-    st = writer(env)
+    st = writer(env, options=V2)
     save(st, 1)
     good = save(st, 2)
     payload = payload_of(env, good)

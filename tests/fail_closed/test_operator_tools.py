@@ -116,6 +116,7 @@ def test_cli_gc_refusal_is_printed_with_its_reason_and_exits_1(
     st = CheckpointStore.open(place.backend(), "run", identity=IDENT, auth_policy="require", keyring=K1)
     for step in (1, 2, 3):
         _save(st, step)
+    st.close()  # a version-3 writer writes its intent in the background: before the listing below
     # an attempt record planted without the key: under require it fences nothing, and stops gc
     RawAccess(place.backend()).set(P.attempt_key("run", 2), P.AttemptRecord("run", 2, None, "evil", 1.0).encode())
     before = sorted(o.key for o in place.backend().list("run/"))

@@ -14,12 +14,15 @@ from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointStore, CorruptionError, SaveState
+from ckptstore import CheckpointStore, CorruptionError, OpenOptions, SaveState
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from tests.helpers import IDENT, RawAccess
 
 TIB = 1 << 40
+#: the tests that forge a component's size or bytes as one object under saves/ use version 2's layout
+#: (version 3's lying piece lists: tests/incremental/test_format.py)
+V2 = OpenOptions(protocol_version=2)
 
 
 class Counted:
@@ -72,7 +75,7 @@ def _forge_sizes(backend: Backend, rec: P.CommitRecord, sizes: dict[str, int]) -
 
 @pytest.mark.backends("memory", "local", "moto", "fakegcs", "moto-obstore")
 def test_a_huge_size_claim_costs_one_request_past_the_real_end(backend_factory: Callable[[], Backend]) -> None:
-    store = CheckpointStore.open(backend_factory(), "run", identity=IDENT)
+    store = CheckpointStore.open(backend_factory(), "run", identity=IDENT, options=V2)
     good = b"good weights " * 1000
     _save(store, 1, good)
     forged = _save(store, 2, b"x" * 100)
@@ -185,7 +188,7 @@ def test_a_terabyte_component_claim_is_refused_before_allocating_and_the_fallbac
     from ckptstore.torch import Checkpointer, read_state, restore_state
     from ckptstore.torch.restore import read_with_fallback
 
-    store = CheckpointStore.open(backend_factory(), "run", identity=IDENT)
+    store = CheckpointStore.open(backend_factory(), "run", identity=IDENT, options=V2)
     good, rec2 = _two_torch_saves(store)
     _forge_sizes(backend_factory(), rec2, {"model.safetensors": TIB})  # a consistent record claiming 1 TiB
 
@@ -226,7 +229,7 @@ def test_checkpointer_falls_back_past_a_sparse_terabyte_component(
 
     b = backend_factory()
     assert isinstance(b, LocalBackend)
-    store = CheckpointStore.open(b, "run", identity=IDENT)
+    store = CheckpointStore.open(b, "run", identity=IDENT, options=V2)
     good, rec2 = _two_torch_saves(store)
     path = f"{b.root}/{P.component_key('run', rec2.save_id, 'model.safetensors')}"
     with open(path, "r+b") as f:
@@ -532,7 +535,7 @@ def test_planted_dcp_metadata_fails_closed_and_the_previous_save_loads_bit_for_b
     import torch
 
     _, mutation, match = next(c for c in STORE_CASES if c[0] == case)
-    store = CheckpointStore.open(backend_factory(), "run", identity=IDENT)
+    store = CheckpointStore.open(backend_factory(), "run", identity=IDENT, options=V2)
     first = _dcp_save(store, 1, seed=1)
     _dcp_save(store, 2, seed=2)
     data = mutation if isinstance(mutation, bytes) else _mutated_metadata(store, 2, mutation)

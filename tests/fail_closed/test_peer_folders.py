@@ -9,7 +9,11 @@ leaves it. The link between the ranks is :class:`Wire`, an in-memory byte
 stream per (sender, receiver) with a bounded wait, so a sender can send any
 bytes at all. Every test asserts what is refused or ignored, with its
 reason, and that nothing outside the folder it belongs to changed
-(snapshots, links never followed)."""
+(snapshots, links never followed).
+
+The job's run is version 2 (whole components under ``saves/``, a frame sent
+and received on one thread); the version-3 counterpart, a part copied as its
+pieces, is tests/fail_closed/test_peer_pieces.py."""
 
 from __future__ import annotations
 
@@ -71,7 +75,7 @@ class Job:
 def open_pair(base: Path, peers: dict[int, Any] | None = None) -> tuple[CheckpointStore, CheckpointStore]:
     tiers = TierOptions(base / "local", close_flush_seconds=0.5, replicate_every=10, keep=5)
     coord = CheckpointStore.open(str(base / "durable"), "run", identity=IDENT, options=OpenOptions(
-        single_writer=True, tiers=replace(tiers, rank=0, peers=peers or {})))
+        protocol_version=2, single_writer=True, tiers=replace(tiers, rank=0, peers=peers or {})))
     assert coord.attempt is not None
     member = CheckpointStore.open(str(base / "durable"), "run", identity=IDENT, join_attempt=coord.attempt.number,
                                   options=OpenOptions(tiers=replace(tiers, rank=1)))

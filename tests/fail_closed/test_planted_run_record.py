@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointStore, RunRecordMismatchError, SaveState
+from ckptstore import CheckpointStore, OpenOptions, RunRecordMismatchError, SaveState
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
@@ -36,6 +36,7 @@ from ckptstore.cli.commands import main as cli_main
 from tests.helpers import IDENT, RawAccess
 
 RUN = "run"
+V2 = OpenOptions(protocol_version=2)  # a record stamped 3 (the newest version) is another version only in an older run
 KINDS = pytest.mark.backends("memory", "local", "moto")
 pytestmark = pytest.mark.filterwarnings("ignore::ckptstore.UnauthenticatedWarning")
 
@@ -213,7 +214,7 @@ def test_a_record_stamped_with_another_version_is_skipped_not_a_refusal(
 ) -> None:
     """One planted record of the run's own naming that states another version
     (the newest): never selected, its save kept, the older real save selected."""
-    st = CheckpointStore.open(env.backend(), RUN, identity=IDENT)
+    st = CheckpointStore.open(env.backend(), RUN, identity=IDENT, options=V2)
     saved = {s: save(st, s) for s in (1, 2)}
     st.close()
     hurt = st.latest_complete()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointStore
+from ckptstore import CheckpointStore, OpenOptions
 from ckptstore.backends.local import LocalBackend
 from ckptstore.cli import commands as cli
 from ckptstore.ops.budget import Budget
@@ -29,6 +29,7 @@ PLANNED = {**IDENT, "planned_steps": 10}
 CLI_TIMEOUT = 120
 EVIL = "\x1b]0;pwned\x07\x1b[2J\x1b[31m\u202eexe.txt\u2066\x9b\nlatest complete: step 999"
 RAW_CONTROL = ("\x1b", "\x07", "\u202e", "\u2066", "\x9b")
+V2 = OpenOptions(protocol_version=2)  # the evil save folder is planted under saves/, version 2's layout
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -67,7 +68,7 @@ def test_escape_makes_every_dangerous_character_visible() -> None:
 
 
 def _plant_evil_save(root: Path) -> None:
-    st = CheckpointStore.open(root, "run", identity=IDENT)
+    st = CheckpointStore.open(root, "run", identity=IDENT, options=V2)
     with st.save(1) as s:
         s.put("model", b"weights")
     evil = root / "run" / "saves" / EVIL

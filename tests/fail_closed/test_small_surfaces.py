@@ -33,6 +33,7 @@ def test_status_prom_into_a_place_it_cannot_write_is_one_line_before_any_read(
     st = CheckpointStore.open(str(store), "run", identity=IDENT)
     with st.save(1) as s:
         s.put("model", b"w")
+    st.close()  # a version-3 writer writes its intent in the background: before the listing below
     (tmp_path / "file").write_bytes(b"x")
     (tmp_path / "d.prom").mkdir()
     target = {"missing-dir": tmp_path / "nope" / "deeper" / "m.prom", "is-a-dir": tmp_path / "d.prom",

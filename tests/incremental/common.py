@@ -8,7 +8,9 @@ import time
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
 from ckptstore.core.pieces import PieceTiming
+from ckptstore.protocol.layout import component_key, piece_key
 from ckptstore.protocol.pieces import PACK_BYTES, PIECE_BYTES
+from ckptstore.protocol.selection import SaveRef
 
 IDENT = {"data_digest": "data-21", "code_digest": "code-21"}
 RUN = "inc"
@@ -90,3 +92,28 @@ def gc_clock_past(backend: Backend, holder: str) -> Clock:
     times = [o.mtime for o in backend.list(pieces_prefix(RUN) + f"{holder}/")]
     assert times, f"no pieces under {holder}"
     return Clock(fixed=max(times) + LONG + 0.5)
+
+
+def stored_objects(run: str, ref: SaveRef, name: str) -> list[tuple[str, int, int]]:
+    """Where component ``name`` of ``ref`` lies in storage, as (key, offset in the component,
+    size) per object: its pieces on version 3, its one whole file on versions 1 and 2. Tests
+    that damage "the save's component" damage these."""
+    comp = ref.components[name]
+    if comp.pieces is None:
+        return [(component_key(run, ref.save_id, name), 0, comp.size)]
+    out, at = [], 0
+    for p in comp.pieces:
+        out.append((piece_key(run, p.holder, p.digest), at, p.size))
+        at += p.size
+    return out
+
+
+def stored_at(run: str, ref: SaveRef, name: str, offset: int) -> tuple[str, int]:
+    """The object holding byte ``offset`` of component ``name`` (negative: from its end), and
+    that byte's offset in the object."""
+    if offset < 0:
+        offset += ref.components[name].size
+    for key, at, size in stored_objects(run, ref, name):
+        if at <= offset < at + size:
+            return key, offset - at
+    raise IndexError(f"{name!r} has no byte {offset}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptstore import CheckpointStore, CorruptionError, SaveAbortedError
+from ckptstore import CheckpointStore, CorruptionError, OpenOptions, SaveAbortedError
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.protocol.pieces import PACK_BYTES, PIECE_BYTES, cut_pieces
@@ -82,7 +82,7 @@ def test_missing_piece_aborts_the_save_before_its_commit(backend: Backend) -> No
 
 
 def test_version_2_runs_are_written_as_today(backend: Backend) -> None:
-    store = CheckpointStore.open(backend, "v2", identity=IDENT)
+    store = CheckpointStore.open(backend, "v2", identity=IDENT, options=OpenOptions(protocol_version=2))
     with store.save(1) as w:
         w.put("model", FROZEN)
     keys = backend.list_keys("v2/")

@@ -4,7 +4,7 @@ lacks (for replication to a durable tier), on every backend."""
 
 from __future__ import annotations
 
-from ckptstore import CheckpointStore
+from ckptstore import CheckpointStore, OpenOptions
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.memory import MemoryBackend
@@ -52,7 +52,7 @@ def test_pieces_lacking_names_what_the_other_store_lacks(backend: Backend) -> No
     bad = lacking[0]
     durable.put(P.layout.piece_key(RUN, bad.holder, bad.digest), [b"short"])  # wrong size: still lacking
     assert bad in store.pieces_lacking(ref, durable)
-    v2 = CheckpointStore.open(backend, "plain", identity={"x": "y"})
+    v2 = CheckpointStore.open(backend, "plain", identity={"x": "y"}, options=OpenOptions(protocol_version=2))
     with v2.save(1) as w:
         w.put("model", b"whole")
     ref2 = v2.latest_complete()

@@ -34,6 +34,7 @@ from ckptstore.integrations.lightning import (
     write_pointer_for_latest,
 )
 from ckptstore.torch.codec import TypeRegistry
+from tests.incremental.common import stored_at
 
 IDENT = RunIdentity(data_digest="random-64", code_digest="boring-1", world_size=1)
 
@@ -206,9 +207,12 @@ def test_load_verifies_the_manifest_digest_and_the_bytes(tmp_path: Path) -> None
         io.load_checkpoint(tmp_path / "missing.ckpt")
 
     # flip one byte of the tensor component in the store: refused while reading
-    comp = next((tmp_path / "store").rglob("*.safetensors"))
+    ref = _reader(tmp_path).latest_complete()
+    assert ref is not None
+    key, at = stored_at("run", ref, next(n for n in ref.components if n.endswith(".safetensors")), -1)  # file or piece
+    comp = tmp_path / "store" / key
     data = bytearray(comp.read_bytes())
-    data[-1] ^= 0xFF
+    data[at] ^= 0xFF
     comp.write_bytes(bytes(data))
     with pytest.raises(CorruptionError):
         StoreCheckpointIO(url=str(tmp_path / "store"), run_id="run", identity=IDENT).load_checkpoint(

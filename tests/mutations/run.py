@@ -274,8 +274,19 @@ MUTATIONS: list[Mutation] = [
         "anchor-after-another-commit",
         "a save begun before another commit of its writer relies on its intent, not the anchor (PROTOCOL §9.4)",
         "ckptstore/core/pieces.py",
-        (("and save.anchor_epoch == self.anchor_epoch == self.commits_started)", "and save.anchor_epoch >= 0)"),),
+        (("                ok = holds and save is not None and save.anchor_epoch == self.anchor_epoch\n",
+          "                ok = save is not None and save.anchor_epoch >= 0\n"),),
         ("tests/incremental/test_anchor.py::test_a_save_begun_before_another_commit_of_its_writer_waits",),
+        backends="memory",
+    ),
+    Mutation(
+        "rank-anchor-unchecked",
+        "a rank's anchor that is no longer the coordinator's waits for that rank's intent (PROTOCOL §9.4)",
+        "ckptstore/core/pieces.py",
+        (("    late = {r: d for r, d in sorted(deadlines.items()) if d.anchor is not None and d.anchor != anchor}\n",
+          "    late: dict[int, PieceDeadline] = {}\n"),),
+        ("tests/incremental/test_rank_anchor.py::"
+         "test_a_part_anchored_on_a_commit_that_is_no_longer_the_newest_waits_for_its_intent",),
         backends="memory",
     ),
     Mutation(

@@ -32,15 +32,20 @@ from ckptstore.ops.weights import ModelSource, TensorSource, model_source
 from ckptstore.protocol.auth import Keyring
 from ckptstore.torch import Checkpointer, read_state
 from tests.helpers import RawAccess
+from tests.incremental.common import stored_at
 
 IDENT = {"data_digest": "d-1", "code_digest": "c-1", "planned_steps": 6}
+#: the "consistent-garbage" damage forges a version-2 commit record (one digest of the whole file); forging a
+#: version-3 one (pieces) is tests/incremental/test_format.py's lying records
+FORGED_RECORD_VERSION = 2
 
 
 def train_run(url: str, run_id: str = "r", *, steps: int = 6, finish: bool = True, hidden: int = 8,
-              keyring: Keyring | None = None, policy: str = "off") -> CheckpointStore:
+              keyring: Keyring | None = None, policy: str = "off", protocol_version: int | None = None) -> CheckpointStore:
     """A small real training run through the Checkpointer; a ``finished`` event as the drill's trainer writes."""
     torch.manual_seed(0)
-    st = CheckpointStore.open(url, run_id, identity=IDENT, auth_policy=policy, keyring=keyring)
+    st = CheckpointStore.open(url, run_id, identity=IDENT, auth_policy=policy, keyring=keyring,
+                              protocol_version=protocol_version)
     model = torch.nn.Sequential(torch.nn.Linear(5, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ck = Checkpointer(st, {"model": model, "optimizer": opt}, every_steps=2, async_save=False, handle_signals=False)
@@ -129,9 +134,10 @@ def test_a_corrupted_final_save_is_refused(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     st = train_run(url)
     ref = st.latest_complete()
-    comp = next(p for p in (tmp_path / "store").rglob("model.safetensors") if ref.save_id in str(p))
+    key, at = stored_at("r", ref, "model.safetensors", -1)  # its file; on version 3 its piece
+    comp = tmp_path / "store" / key
     data = bytearray(comp.read_bytes())
-    data[-1] ^= 0xFF
+    data[at] ^= 0xFF
     comp.write_bytes(bytes(data))
     chk = promotion_check(reader(url))
     assert not chk.promotable
@@ -156,12 +162,15 @@ def _damage_step(url: str, store_dir: Path, step: int, how: str) -> None:
     readable model), as anyone who can write the directory can under auth_policy=off."""
     st = reader(url)
     ref = st.get_save(step)
-    comp = next(p for p in store_dir.rglob("model.safetensors") if ref.save_id in str(p))
-    data = bytearray(comp.read_bytes())
     if how == "flip":
-        data[len(data) // 2] ^= 0xFF
+        key, at = stored_at("r", ref, "model.safetensors", ref.components["model.safetensors"].size // 2)
+        comp = store_dir / key  # its file; on version 3 a piece
+        data = bytearray(comp.read_bytes())
+        data[at] ^= 0xFF
         comp.write_bytes(bytes(data))
         return
+    comp = store_dir / P.component_key("r", ref.save_id, "model.safetensors")
+    data = bytearray(comp.read_bytes())
     garbage = b"\xff" * len(data)
     comp.write_bytes(garbage)
     entry = ref.record.components["model.safetensors"]
@@ -175,7 +184,7 @@ def _damage_step(url: str, store_dir: Path, step: int, how: str) -> None:
 def test_a_damaged_non_final_step_is_refused_with_the_reason(tmp_path: Path, how: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     url = str(tmp_path / "store")
-    train_run(url)
+    train_run(url, protocol_version=FORGED_RECORD_VERSION if how == "consistent-garbage" else None)
     _damage_step(url, tmp_path / "store", 3, how)
     want = "does not verify" if how == "flip" else "model weights cannot be read"
     chk = promotion_check(reader(url), step=3, reason="step 3 evaluated better")

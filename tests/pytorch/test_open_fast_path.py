@@ -17,9 +17,9 @@ import torch
 from ckptstore import CheckpointStore, InvalidInputError
 from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.protocol import component_key
 from ckptstore.torch import Checkpointer
 from ckptstore.torch.tensor_read import HEAD_GUESS, fresh_buffer
+from tests.incremental.common import stored_at, stored_objects
 
 IDENT = {"data_digest": "d", "code_digest": "c", "optimizer_revision": "r", "feature_contract": "f"}
 
@@ -57,7 +57,7 @@ def test_open_reads_every_byte_once(tmp_path: Path) -> None:
     with Checkpointer.open(tmp_path, "run", IDENT, _objects(1), async_save=False, handle_signals=False) as ck:
         ref = ck.save(3)
     assert ref is not None
-    key = component_key("run", ref.save_id, "model.safetensors")
+    ((key, _, _),) = stored_objects("run", ref, "model.safetensors")  # its file; on version 3 its one piece
 
     def reads_of_model(trace_owner: FaultyBackend) -> int:
         return sum(1 for t in trace_owner.trace if t.key == key and t.op in ("get_range", "get"))
@@ -99,7 +99,8 @@ def test_open_never_applies_a_corrupt_save(tmp_path: Path) -> None:
         bad_ref = ck.save(2)
     assert bad_ref is not None
     backend = FaultyBackend(LocalBackend(str(tmp_path)))
-    backend.flip_at_rest(component_key("run", bad_ref.save_id, "model.safetensors"), offset=-5)
+    key, at = stored_at("run", bad_ref, "model.safetensors", -5)  # its file; on version 3 the piece of that byte
+    backend.flip_at_rest(key, offset=at)
     live = _objects(3)
     with pytest.warns(RuntimeWarning, match="corrupt"), \
             Checkpointer.open(backend, "run", IDENT, live, async_save=False, handle_signals=False) as ck:

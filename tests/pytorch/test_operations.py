@@ -23,6 +23,7 @@ from ckptstore.torch import (
     read_state,
 )
 from tests.helpers import IDENT, tiny_model
+from tests.incremental.common import stored_at
 
 
 def step(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
@@ -127,9 +128,9 @@ def test_cheap_verified_resume_falls_back_from_a_corrupt_newest_save() -> None:
     bad = ck.save(1)
     ck.close()
     assert bad is not None
-    key = P.component_key("r", bad.save_id, "model.safetensors")
+    key, at = stored_at("r", bad, "model.safetensors", -1)  # its file; on version 3 the piece of its last byte
     raw = bytearray(b.get(key))
-    raw[-1] ^= 0x01  # same size: a cheap check cannot see it
+    raw[at] ^= 0x01  # same size: a cheap check cannot see it
     b.put(key, [bytes(raw)])
 
     st = CheckpointStore.open(b, "r", identity=IDENT, resume_verify="cheap")
@@ -393,7 +394,8 @@ def test_two_saves_in_flight_commit_in_order_with_bounded_buffers() -> None:
     from ckptstore.backends.faults import FaultyBackend
 
     slow_first = FaultyBackend(MemoryBackend()).slow(
-        None, 0.6, when=lambda op, key: op == "put" and "/saves/000000000001-" in key and "model" in key
+        None, 0.6, when=lambda op, key: op == "put" and ("/saves/000000000001-" in key and "model" in key
+                                                         or "/pieces/000000000001-" in key)  # version 3: every piece
     )
     st = CheckpointStore.open(slow_first, "r", identity=IDENT)
     m, o = tiny_model()

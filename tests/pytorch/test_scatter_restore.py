@@ -19,15 +19,19 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, CorruptionError, InvalidInputError
+from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, OpenOptions
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.core.hashing import SMALL_SEGMENT, Scatter
 from ckptstore.torch import Checkpointer
 from ckptstore.torch.tensor_read import read_tensors
 from tests.helpers import IDENT
+from tests.incremental.common import stored_at
 
 SIZES = [3, 0, SMALL_SEGMENT + 7, 1, 100, 2 * SMALL_SEGMENT, 5, SMALL_SEGMENT - 1, 64]
+#: test_scatter_read_into_fills_every_buffer_or_refuses damages and reads (RunIO) version 2's whole-component
+#: file; version 3's pieces: test_scatter_read_of_a_pieced_component
+WHOLE_FILES = 2
 
 
 def _blob(n: int, seed: int = 1) -> bytes:
@@ -56,7 +60,7 @@ def test_spans_tile_the_buffer_and_keep_large_segments_alone() -> None:
 @pytest.mark.parametrize("damage", ["none", "flip-small", "flip-large", "short", "grown"])
 @pytest.mark.backends("memory", "local", "moto")
 def test_scatter_read_into_fills_every_buffer_or_refuses(backend: Backend, damage: str) -> None:
-    st = CheckpointStore.open(backend, "r", identity=IDENT)
+    st = CheckpointStore.open(backend, "r", identity=IDENT, options=OpenOptions(protocol_version=WHOLE_FILES))
     payload = _blob(sum(SIZES))
     with st.save(1) as s:
         s.put("blob", payload)
@@ -221,8 +225,8 @@ def test_a_damaged_only_save_raises_and_leaves_the_live_tensors_untouched(tmp_pa
     with Checkpointer(st, objs, async_save=False, handle_signals=False) as ck:
         ref = ck.save(1)
     assert ref is not None
-    path = tmp_path / P.component_key("r", ref.save_id, "model.safetensors")
-    _flip(path, 20 if where == "header" else -7)
+    key, at = stored_at("r", ref, "model.safetensors", 20 if where == "header" else -7)  # a piece on version 3
+    _flip(tmp_path / key, at)
     live = _objects(2)
     _step(live)
     before = _snapshot(live)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, SkipReason
+from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, OpenOptions, SkipReason
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.cli.commands import main as cli_main
@@ -21,6 +21,9 @@ from tests.helpers import IDENT, RawAccess
 K1 = Keyring({"k1": b"\x01" * 32})
 K2 = Keyring({"k1": b"\x01" * 32, "k2": b"\x02" * 32}, active="k2")
 AUTH_BACKENDS = pytest.mark.backends("memory", "local", "moto")
+# these tests plant into version 2's layout: whole components under saves/ (version 3's planted pieces:
+# tests/incremental, tests/fail_closed/test_peer_pieces.py)
+V2 = OpenOptions(protocol_version=2)
 
 
 def _open(factory: Callable[[], Backend], policy: str = "require", keyring: Keyring | None = K1, **kw: object) -> CheckpointStore:
@@ -142,7 +145,7 @@ def test_sign_an_existing_run_after_rehashing(tmp_path: Path) -> None:
     from ckptstore.backends.local import LocalBackend
 
     b = LocalBackend(str(tmp_path))
-    st = CheckpointStore.open(b, "run", identity=IDENT)
+    st = CheckpointStore.open(b, "run", identity=IDENT, options=V2)
     for s in (1, 2):
         _save(st, s)
     bad = _save(st, 3)

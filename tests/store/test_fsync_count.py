@@ -41,7 +41,8 @@ class Counts:
 def counting(monkeypatch: pytest.MonkeyPatch, root: str) -> Iterator[Counts]:
     """Count the fsyncs while the block runs, each by the folder (``dir <rel>``)
     or the folder of the file (``file <rel>``) it made durable."""
-    _join_intent_writes()  # an earlier save's: not this one's
+    _join_intent_writes(only_new=_BEFORE_TEST)  # an earlier save's of this test: not this one's
+    before = set(threading.enumerate())
     c = Counts(root)
     lock = threading.Lock()
     real_fsync, real_fdatasync = os.fsync, os.fdatasync
@@ -69,15 +70,27 @@ def counting(monkeypatch: pytest.MonkeyPatch, root: str) -> Iterator[Counts]:
     monkeypatch.setattr(os, "fdatasync", fdatasync)
     try:
         yield c
-        _join_intent_writes()  # the intent write a version-3 save starts after its commit is this save's
+        _join_intent_writes(only_new=before)  # the intent write a version-3 save starts after its commit is this save's
     finally:
         monkeypatch.setattr(os, "fsync", real_fsync)
         monkeypatch.setattr(os, "fdatasync", real_fdatasync)
 
 
-def _join_intent_writes() -> None:
+#: the threads alive when the running test began: another test's intent writes (one may retry a server
+#: that test stopped for minutes) are not this test's
+_BEFORE_TEST: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _threads_before_the_test() -> None:
+    _BEFORE_TEST.clear()
+    _BEFORE_TEST.update(threading.enumerate())
+
+
+def _join_intent_writes(only_new: set[threading.Thread]) -> None:
+    """Wait for this test's background intent writes (threads named ``ckptstore-intent`` not in ``only_new``)."""
     for t in threading.enumerate():
-        if t.name == "ckptstore-intent":
+        if t.name == "ckptstore-intent" and t not in only_new:
             t.join()
 
 

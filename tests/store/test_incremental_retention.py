@@ -4,7 +4,10 @@ of saves, corruptions, foreign uncommitted saves and new attempts is run on
 two stores, one retained incrementally and one by a full gc after each save,
 and after every step both list the same saves in the same states (an
 uncommitted save another writer left after the last full gc: kept until the
-next one, never deleted earlier)."""
+next one, never deleted earlier). On version 2 (whole components) and
+version 3 (pieces: what only a deleted save named goes with it, §9.5 step 5;
+the damage is a piece removed, the planted save a piece under a holder of
+its own)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,11 @@ from collections.abc import Callable
 
 import pytest
 
+from ckptstore import OpenOptions
 from ckptstore.backends.base import Backend
+from ckptstore.core.piece_evidence import list_pieces
 from ckptstore.protocol import component_key
+from ckptstore.protocol.layout import piece_key
 from ckptstore.protocol.selection import SaveState
 from tests.helpers import open_reader, open_writer, save
 
@@ -30,11 +36,13 @@ def rows(backend: Backend, run: str) -> list[tuple[int, int, str]]:
 class Twin:
     """One store of the pair: retained incrementally or by a full gc."""
 
-    def __init__(self, backend: Backend, incremental: bool, keep_last: int, keep_every: int | None) -> None:
-        self.backend, self.incremental = backend, incremental
-        self.run = "inc" if incremental else "full"
+    def __init__(self, backend: Backend, incremental: bool, keep_last: int, keep_every: int | None,
+                 version: int) -> None:
+        self.backend, self.incremental, self.version = backend, incremental, version
+        self.run = f"inc{version}" if incremental else f"full{version}"
         self.keep = {"keep_last": keep_last, "keep_every": keep_every}
-        self.store = open_writer(backend, self.run)
+        self.options = OpenOptions(protocol_version=version)
+        self.store = open_writer(backend, self.run, options=self.options)
         self.reports: list[bool] = []
 
     def save_and_retain(self, step: int) -> None:
@@ -45,29 +53,54 @@ class Twin:
     def reopen(self) -> None:
         """A new attempt (a restart): the retention view of the old store is gone with it."""
         self.store.close()
-        self.store = open_writer(self.backend, self.run)
+        self.store = open_writer(self.backend, self.run, options=self.options)
 
     def corrupt(self, step: int) -> None:
-        """Delete the component of the committed save of ``step`` (as bit rot or an operator might)."""
+        """Delete the component (version 3: its one piece) of the committed save of ``step`` (as bit rot or an
+        operator might)."""
         for i in self.store.list_saves():
-            if i.step == step and i.state is SaveState.COMMITTED:
-                self.backend.delete(component_key(self.run, i.save_id, "model"))
+            if i.step == step and i.state is SaveState.COMMITTED and i.ref is not None:
+                comp = i.ref.record.components["model"]
+                for p in comp.pieces or ():
+                    self.backend.delete(piece_key(self.run, p.holder, p.digest))
+                if comp.pieces is None:
+                    self.backend.delete(component_key(self.run, i.save_id, "model"))
+
+    def stray_pieces(self) -> set[tuple[str, str]]:
+        """Pieces on storage that no kept save names, but those planted (their holders' steps are 100 up)."""
+        named: set[tuple[str, str]] = set()
+        for i in self.store.list_saves():
+            if i.ref is not None:
+                named |= set(i.ref.record.piece_refs())
+            elif i.state is SaveState.CORRUPT:  # kept as evidence: its record still names its pieces
+                named |= {(h, d) for h, d in list_pieces(self.store._io, i.save_id)}  # noqa: SLF001
+        listed = set(list_pieces(self.store._io))  # noqa: SLF001
+        return {hd for hd in listed - named if int(hd[0][:12]) < 100}
 
     def plant_uncommitted(self, step: int, attempt: int) -> None:
-        self.backend.put(component_key(self.run, f"{step:012d}-{attempt:08d}-0123456789ab", "model"), [b"x" * 10])
+        sid = f"{step:012d}-{attempt:08d}-0123456789ab"
+        if self.version == 3:  # an uncommitted save of pieces only
+            self.backend.put(piece_key(self.run, sid, "ab" * 32), [b"x" * 10])
+        else:
+            self.backend.put(component_key(self.run, sid, "model"), [b"x" * 10])
 
 
 SCENARIOS = [(1, None), (2, None), (2, 3), (3, 5), (1, 2)]
 
 
-@pytest.mark.parametrize(("keep_last", "keep_every"), SCENARIOS)
+#: version 2 in every scenario, version 3 (what retention sweeps of pieces) in two: a long history with
+#: keep_every, and keep_last alone (every case on every backend would double the suite's longest file)
+CASES = [(k, e, 2) for k, e in SCENARIOS] + [(1, None, 3), (2, 3, 3)]
+
+
+@pytest.mark.parametrize(("keep_last", "keep_every", "version"), CASES)
 def test_incremental_retention_leaves_what_a_full_gc_leaves(
-    backend_factory: Callable[[], Backend], keep_last: int, keep_every: int | None,
+    backend_factory: Callable[[], Backend], keep_last: int, keep_every: int | None, version: int,
 ) -> None:
     rng = random.Random(f"{keep_last}-{keep_every}")
     backend = backend_factory()
-    inc = Twin(backend, True, keep_last, keep_every)
-    full = Twin(backend, False, keep_last, keep_every)
+    inc = Twin(backend, True, keep_last, keep_every, version)
+    full = Twin(backend, False, keep_last, keep_every, version)
     step = 0
     for _ in range(40):
         event, target = rng.random(), step - rng.choice([0, 1, 2])
@@ -86,6 +119,9 @@ def test_incremental_retention_leaves_what_a_full_gc_leaves(
         # next full gc (§4.5.1): kept longer, never deleted earlier; everything else is equal
         assert set(b) <= set(a), f"after step {step}: {a} != {b}"
         assert [r for r in a if r[0] < 100] == [r for r in b if r[0] < 100], f"after step {step}: {a} != {b}"
+        if version == 3:  # both hold no piece but those their kept saves name (and the planted ones)
+            for t in (inc, full):
+                assert t.stray_pieces() == set(), f"after step {step}, {t.run}"
     assert any(inc.reports), "the incremental path never ran"
     assert not any(full.reports)
     inc.store.gc(**inc.keep)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptstore import CheckpointStore, SaveAbortedError
+from ckptstore import CheckpointStore, OpenOptions, SaveAbortedError
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import Crashed, FaultyBackend
 from ckptstore.backends.local import LocalBackend
@@ -43,6 +43,9 @@ from tests.helpers import IDENT
 
 FAST = RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.005)
 NAMES = ("model", "optim", "extra/rng")
+# these tests fault, damage or count version 2's whole components under saves/ (version 3's pieces:
+# tests/incremental, tests/fail_closed/test_peer_pieces.py)
+V2 = OpenOptions(protocol_version=2)
 
 
 def blob(step: int, name: str, size: int = 2500) -> bytes:
@@ -99,7 +102,7 @@ def test_acknowledged_put_that_is_not_there_is_never_committed(
     read-after-write inventory must refuse the commit. Judged raw: no commit
     record of the step exists, and no commit anywhere lacks its bytes."""
     fb = FaultyBackend(backend)
-    st = CheckpointStore.open(fb, "run", identity=IDENT, retry=FAST)
+    st = CheckpointStore.open(fb, "run", identity=IDENT, retry=FAST, options=V2)
     do_save(st, 1)
     target = f"/{NAMES[which]}"
 
@@ -127,7 +130,7 @@ def build_gc_scenario(backend: Backend) -> None:
     """Committed, superseded, re-committed and partial saves, so one gc deletes
     every kind: attempt 1 saves 1, 2, 3; attempt 2 resumes from 2 (step 3 of
     attempt 1 is superseded), saves 3 and 4; a save of 5 dies before its commit."""
-    a1 = CheckpointStore.open(backend, "run", identity=IDENT, retry=FAST)
+    a1 = CheckpointStore.open(backend, "run", identity=IDENT, retry=FAST, options=V2)
     for s in (1, 2, 3):
         do_save(a1, s)
     a2 = CheckpointStore.open(backend, "run", identity=IDENT, resume_from=2, retry=FAST)
@@ -323,7 +326,7 @@ def test_attempt_registered_during_the_commit_fences_it(backend: Backend) -> Non
 def test_cheap_selection_skips_a_component_of_the_wrong_size(backend: Backend) -> None:
     """The default (cheap) selection compares sizes from the listing; a
     component that lost its tail at rest is skipped without reading a byte."""
-    st = CheckpointStore.open(backend, "run", identity=IDENT, retry=FAST)
+    st = CheckpointStore.open(backend, "run", identity=IDENT, retry=FAST, options=V2)
     do_save(st, 1)
     do_save(st, 2)
     reader = CheckpointStore.open(backend, "run", mode="r")

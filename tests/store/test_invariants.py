@@ -15,6 +15,7 @@ from ckptstore import (
     IdentityMismatchError,
     InvalidInputError,
     NotFoundError,
+    OpenOptions,
     SaveAbortedError,
     SaveState,
     SkipReason,
@@ -23,6 +24,10 @@ from ckptstore import (
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from tests.helpers import IDENT, blob, open_reader, open_writer, save
+
+# these tests plant into version 2's layout: whole components under saves/ (version 3's planted pieces:
+# tests/incremental, tests/fail_closed/test_peer_pieces.py)
+V2 = OpenOptions(protocol_version=2)
 
 
 @pytest.fixture
@@ -81,7 +86,9 @@ def test_newest_wins_and_resume_point(open_store) -> None:  # type: ignore[no-un
 
 
 def test_read_only_open_registers_nothing(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
-    save(open_store(), 1)
+    writer = open_store()
+    save(writer, 1)
+    writer.close()  # version 3: the writer's intent is written in the background after its commit
     before = backend_factory().list("run/")
     r = reader(backend_factory)
     r.latest_complete()
@@ -114,7 +121,7 @@ def test_interrupted_save_is_never_selected(open_store, backend_factory) -> None
 
 
 def test_killed_writer_leftovers_are_skipped_with_reason(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
-    st = open_store()
+    st = open_store(options=V2)  # version 3's "piece(s) written": tests/incremental/test_uncommitted.py
     good = save(st, 240)
     # simulate a writer killed after 2 of 3 components: bytes on storage, no commit
     w = st.save(280, expect=["a", "b", "c"])
@@ -147,7 +154,7 @@ def test_empty_save_refused(open_store) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
 def test_damaged_newest_falls_back_with_reason(open_store, backend_factory, damage) -> None:  # type: ignore[no-untyped-def]
-    st = open_store()
+    st = open_store(options=V2)
     prev = save(st, 1)
     newest = save(st, 2)
     b = backend_factory()
@@ -181,7 +188,7 @@ def test_damaged_newest_falls_back_with_reason(open_store, backend_factory, dama
 
 
 def test_streaming_read_withholds_last_chunk_on_corruption(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
-    st = open_store()
+    st = open_store(options=V2)
     ref = save(st, 1, names=("m",), size=4000)
     bad = bytearray(blob(1, "m", 4000))
     bad[-1] ^= 0xFF
@@ -276,7 +283,9 @@ def test_gc_keeps_newest_complete_and_in_flight(open_store, backend_factory) -> 
 
 
 def test_gc_dry_run_deletes_nothing_and_grace_zero_collects_partials(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
-    st = open_store()
+    # version 2: a grace of 0 collects the in-flight save's files too; on version 3 its pieces wait while the
+    # live writer's intent outlives the grace (tests/incremental/test_settled_sweep.py, pieces_deferred)
+    st = open_store(options=V2)
     save(st, 1)
     save(st, 2)
     w = st.save(3)
@@ -294,7 +303,7 @@ def test_gc_dry_run_deletes_nothing_and_grace_zero_collects_partials(open_store,
 
 
 def test_gc_never_removes_last_good_when_newer_is_corrupt(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
-    st = open_store()
+    st = open_store(options=V2)
     good = save(st, 1)
     bad = save(st, 2)
     backend_factory().delete(component_key(bad, "model"))
@@ -322,7 +331,9 @@ def test_identity_mismatch_lists_every_field(open_store) -> None:  # type: ignor
 
 
 def test_identity_mismatch_writes_nothing(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
-    save(open_store(), 1)
+    writer = open_store()
+    save(writer, 1)
+    writer.close()  # version 3: the writer's intent is written in the background after its commit
     before = backend_factory().list("run/")
     with pytest.raises(IdentityMismatchError):
         open_store(identity={**IDENT, "code_digest": "other"})
@@ -405,7 +416,7 @@ def test_attempts_racing_on_one_step(open_store, backend_factory) -> None:  # ty
 
 
 def test_vanished_component_then_recommit_same_step(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
-    st = open_store()
+    st = open_store(options=V2)
     save(st, 240)
     bad = save(st, 280)
     backend_factory().delete(component_key(bad, "optim"))
@@ -465,7 +476,7 @@ INPUT_CHECK_BACKENDS = pytest.mark.backends("memory", "local", "fakegcs")
     ["../escape", "/abs", "a/../../b", "a//b", "a\\b", ".hidden", "", "a/./b", "x" * 600, "a/" + P.RESERVED_MARK + "x"],
 )
 def test_bad_component_names_write_nothing(open_store, backend_factory, name) -> None:  # type: ignore[no-untyped-def]
-    st = open_store()
+    st = open_store(options=V2)  # counts the objects under saves/
     before = backend_factory().list("run/saves/")
     with st.save(1) as s:
         with pytest.raises(InvalidInputError):
@@ -532,7 +543,7 @@ def test_save_from_closed_writer_refused(open_store) -> None:  # type: ignore[no
 def test_large_component_hash_matches(open_store) -> None:  # type: ignore[no-untyped-def]
     import blake3
 
-    st = open_store()
+    st = open_store(options=V2)  # version 3's blake3 is of the list of its pieces (PROTOCOL.md §9.2)
     data = os.urandom(20 * 1024 * 1024 + 123)
     with st.save(1) as s:
         entry = s.put("big", data)
@@ -542,7 +553,7 @@ def test_large_component_hash_matches(open_store) -> None:  # type: ignore[no-un
 
 
 def test_gc_keeps_the_good_save_behind_an_undetected_bit_flip(open_store, backend_factory) -> None:  # type: ignore[no-untyped-def]
-    st = open_store()
+    st = open_store(options=V2)
     good = save(st, 1)
     bad = save(st, 2)
     b = backend_factory()

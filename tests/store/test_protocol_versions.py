@@ -1,6 +1,8 @@
 """Protocol versions side by side (PROTOCOL.md §1.1), on every backend.
 
-New runs are version 2 (commit records named newest first); a run created
+New runs are version 3 (pieces, PROTOCOL.md §9; commit records named newest
+first, as version 2), and version 2 when the early replication option asks
+for whole components; a run created
 under version 1 stays version 1 — read, resumed, written and collected as
 such, every record it gains stamped version 1 — so version-1 writers can keep
 using it; one store holds both kinds; a name of the other layout inside a run
@@ -16,11 +18,19 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import blake3
 import pytest
 
-from ckptstore import CheckpointStore, CorruptionError, InvalidInputError, SkipReason, StoreUnavailableError
+from ckptstore import (
+    CheckpointStore,
+    CorruptionError,
+    InvalidInputError,
+    OpenOptions,
+    SkipReason,
+    StoreUnavailableError,
+)
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend, Capabilities
 from ckptstore.backends.faults import FaultyBackend
@@ -31,6 +41,9 @@ from tests.helpers import IDENT, RawAccess
 
 V1_NAME = re.compile(r"^\d{12}\.\d{8}\.json$")
 V2_NAME = re.compile(r"^\d{12}\.\d{8}-\d{12}\.\d{8}\.json$")
+# version 2 beside version 1, and tests that delete version 2's whole components under saves/ (version 3's
+# pieces: tests/incremental, tests/fail_closed/test_peer_pieces.py)
+V2 = OpenOptions(protocol_version=2)
 
 
 def canon(value: object) -> bytes:
@@ -77,27 +90,45 @@ def keys(backend: Backend, prefix: str) -> list[str]:
 
 
 def record_versions(backend: Backend, run: str) -> dict[str, object]:
-    """protocol_version of every record of the run (everything but component bytes)."""
+    """protocol_version of every record of the run (everything but component bytes and pieces)."""
     out = {}
     for k in keys(backend, f"{run}/"):
-        if f"{run}/saves/" not in k:
+        if f"{run}/saves/" not in k and f"{run}/pieces/" not in k:
             out[k] = json.loads(RawAccess(backend).get(k) or b"{}").get("protocol_version")
     return out
 
 
-def test_new_runs_are_version_2_and_name_commits_newest_first(backend_factory: Callable[[], Backend]) -> None:
+def test_new_runs_are_version_3_and_name_commits_newest_first(backend_factory: Callable[[], Backend]) -> None:
     st = CheckpointStore.open(backend_factory(), "run", identity=IDENT)
     for s in (1, 2, 10):
         save(st, s)
     st.record_event("note", {"x": 1})
+    st.close()
     b = backend_factory()
     names = [k.rsplit("/", 1)[1] for k in keys(b, "run/commits/")]
     assert all(V2_NAME.match(n) for n in names), names
-    assert [P.LAYOUT_V2.parse_commit_name(n) for n in names] == [(10, 1), (2, 1), (1, 1)]  # ascending = newest first
-    assert set(record_versions(b, "run").values()) == {2}
-    assert st.run_record["protocol_version"] == 2
+    assert [P.layout_of(3).parse_commit_name(n) for n in names] == [(10, 1), (2, 1), (1, 1)]  # ascending = newest first
+    assert set(record_versions(b, "run").values()) == {3}
+    assert st.run_record["protocol_version"] == 3
+    assert keys(b, "run/pieces/") and not keys(b, "run/saves/")  # the bytes are pieces
     ref = CheckpointStore.open(b, "run", mode="r").latest_complete(deep=True)
     assert ref is not None and ref.step == 10
+
+
+def test_a_new_run_asking_for_early_replication_is_version_2(
+        backend_factory: Callable[[], Backend], tmp_path: Path) -> None:
+    """Early replication copies whole components as their local writes return:
+    a run created with it is version 2 (``options.new_run_version``), asked
+    for explicitly or not; an explicit version 3 with it is refused at open."""
+    from ckptstore import OpenOptions, TierOptions
+    from ckptstore.options import new_run_version
+
+    o = OpenOptions(tiers=TierOptions(tmp_path / "nvme", early_replication=True))
+    assert new_run_version(o) == 2 and new_run_version(OpenOptions()) == 3
+    assert new_run_version(OpenOptions(protocol_version=1)) == 1
+    with CheckpointStore.open(backend_factory(), "early", identity=IDENT, options=o) as st:
+        save(st, 1)
+        assert st.run_record["protocol_version"] == 2
 
 
 def test_a_version_1_run_is_read_resumed_written_and_collected_as_version_1(
@@ -144,7 +175,7 @@ def test_protocol_version_1_is_asked_for_at_creation_and_kept(backend_factory: C
     assert CheckpointStore.open(b, "compat", mode="r", protocol_version=1).latest_complete() is not None
     with pytest.raises(InvalidInputError, match="protocol version 1"):
         CheckpointStore.open(b, "compat", identity=IDENT, protocol_version=2)
-    CheckpointStore.open(b, "new", identity=IDENT)
+    CheckpointStore.open(b, "new", identity=IDENT, options=V2)
     with pytest.raises(InvalidInputError, match="protocol version 2"):
         CheckpointStore.open(b, "new", mode="r", protocol_version=1)
     with pytest.raises(InvalidInputError):
@@ -208,7 +239,7 @@ def test_a_reader_that_knows_only_version_1_refuses_a_version_2_run(
     backend_factory: Callable[[], Backend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     b = backend_factory()
-    save(CheckpointStore.open(b, "new", identity=IDENT), 1)
+    save(CheckpointStore.open(b, "new", identity=IDENT, options=V2), 1)
     plant_v1_run(b, "old", range(1, 2))
     before = {k: RawAccess(b).get(k) for k in keys(b, "")}
     monkeypatch.setattr(records, "PROTOCOL_VERSION", 1)  # what a version-1 release checks
@@ -305,7 +336,7 @@ class Stuck(PagedMemory):
 
 def test_selection_asks_for_small_pages_and_only_as_many_as_it_needs() -> None:
     mem = PagedMemory()
-    st = CheckpointStore.open(mem, "run", identity=IDENT)
+    st = CheckpointStore.open(mem, "run", identity=IDENT, options=V2)
     for s in range(300):
         save(st, s)
     # the newest 200 saves lose their bytes: selection must page past them
@@ -321,7 +352,7 @@ def test_selection_asks_for_small_pages_and_only_as_many_as_it_needs() -> None:
 @pytest.mark.parametrize("broken", [Shuffled, Stuck])
 def test_a_listing_out_of_order_is_an_error_not_an_older_selection(broken: type[PagedMemory]) -> None:
     mem = broken()
-    st = CheckpointStore.open(MemoryBackend(), "run", identity=IDENT)
+    st = CheckpointStore.open(MemoryBackend(), "run", identity=IDENT, options=V2)
     for s in range(40):
         save(st, s)
     for s in range(20, 40):  # the newest 20 lost their bytes: selection needs a second page

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore import CheckpointStore, CorruptionError, SaveState, SkipReason, StoreUnavailableError
+from ckptstore import CheckpointStore, CorruptionError, OpenOptions, SaveState, SkipReason, StoreUnavailableError
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import FaultyBackend
@@ -378,7 +378,8 @@ def test_junk_commits_of_unregistered_attempts_are_not_read() -> None:
 
 def test_oversized_component_reads_stay_bounded() -> None:
     mem = MemoryBackend()
-    st = CheckpointStore.open(mem, "run", identity=IDENT)
+    # version 2: plants an oversized whole component under saves/
+    st = CheckpointStore.open(mem, "run", identity=IDENT, options=OpenOptions(protocol_version=2))
     ref = CheckpointStore.open(mem, "run", mode="r").latest_complete() or None
     assert ref is None
     good = _save(st, 1, b"x" * 100)

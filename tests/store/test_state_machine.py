@@ -24,6 +24,7 @@ from ckptstore import (
     CheckpointStore,
     CommitConflictError,
     CommitUnknownError,
+    OpenOptions,
     SaveState,
     SkipReason,
     StoreUnavailableError,
@@ -40,6 +41,9 @@ from tests.helpers import IDENT
 
 FAST = RetryPolicy(attempts=3, base_delay=0.0, max_delay=0.0)
 RUN = "run"
+# the rules damage, plant and check version 2's whole components under saves/ (version 3's pieces:
+# tests/incremental, tests/fail_closed/test_peer_pieces.py)
+V2 = OpenOptions(protocol_version=2)
 
 
 @dataclass
@@ -113,9 +117,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.fb = FaultyBackend(self.inner)  # a fresh process: no faults pending
         if resume_from == "latest" and self.model.expected_latest() is None and self.model.in_history():
             with pytest.raises(ResumeRefusedError):  # never a silent fresh start over the run's commits
-                CheckpointStore.open(self.fb, RUN, identity=IDENT, retry=FAST)
+                CheckpointStore.open(self.fb, RUN, identity=IDENT, retry=FAST, options=V2)
             resume_from = None  # the refusal's way out: the operator starts over deliberately
-        w = CheckpointStore.open(self.fb, RUN, identity=IDENT, resume_from=resume_from, retry=FAST)  # type: ignore[arg-type]
+        w = CheckpointStore.open(self.fb, RUN, identity=IDENT, resume_from=resume_from, retry=FAST,  # type: ignore[arg-type]
+                                 options=V2)
         assert w.attempt is not None
         self.model.attempts[w.attempt.number] = w.attempt.resumed_from
         for a in w.attempt.abandons:

@@ -23,6 +23,9 @@ pytest.importorskip("torch.distributed")
 
 WORKER = str(Path(__file__).parents[1] / "workers" / "tier_rank_worker.py")
 IDENT = {"data_digest": "d", "code_digest": "c", "world_size": 2}
+#: the base job's run: its tests look at and damage version 2's whole-component parts in the local
+#: tiers (version 3's pieces on many ranks: tests/tiers/test_many_ranks_v3.py)
+BASE_VERSION = 2
 
 
 def job(base: Path, *, url: str | None = None, opts: dict[str, Any] | None = None, **args: Any) -> list[RankResult]:
@@ -48,7 +51,7 @@ def resume_tier(base: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def base_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("base")
-    res = job(base, steps=[1, 2], every=2, flush=20)
+    res = job(base, steps=[1, 2], every=2, flush=20, protocol_version=BASE_VERSION)
     for r in res:
         assert r.results["save1"]["ok"] and r.results["save2"]["ok"], r.results
         assert r.results["flush"]["ok"], r.results

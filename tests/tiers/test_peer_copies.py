@@ -21,6 +21,9 @@ pytest.importorskip("torch.distributed")
 
 WORKER = str(Path(__file__).parents[1] / "workers" / "tier_rank_worker.py")
 NODES = {"0": "node-a", "1": "node-b"}
+#: the base job's run: its tests count, flip and truncate version 2's whole-component peer copies
+#: (version 3's pieces: test_a_version_3_job_sends_only_the_pieces_a_holder_lacks_..., tests/fail_closed/test_peer_pieces.py)
+BASE_VERSION = 2
 
 
 def job(base: Path, **args: Any) -> list[RankResult]:
@@ -51,7 +54,7 @@ def peer_files(base: Path, holder: int, sender: int) -> set[str]:
 def base_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Steps 1 (durable) and 2, 3 (local tiers and their peer copies only: replicate_every=3)."""
     base = tmp_path_factory.mktemp("peers")
-    res = job(base, steps=[1, 2, 3], every=3, flush=20)
+    res = job(base, steps=[1, 2, 3], every=3, flush=20, protocol_version=BASE_VERSION)
     for r in res:
         assert all(r.results[f"save{s}"]["ok"] for s in (1, 2, 3)), r.results
         st = r.results["flush"]["status"]

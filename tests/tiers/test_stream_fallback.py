@@ -25,7 +25,7 @@ def saved(backend_factory: Callable[[], Backend], tmp_path: Path) -> tuple[Check
     assert s.flush(30)
     ref = s.latest_complete()
     assert ref is not None and ref.tier == "both"
-    return s, ref, local_file(tmp_path / "nvme", ref.save_id, "a")
+    return s, ref, local_file(tmp_path / "nvme", ref, "a")
 
 
 def flip(f: Path, offset: int) -> None:
@@ -77,7 +77,7 @@ def test_a_local_only_save_still_raises(backend_factory: Callable[[], Backend], 
     save(s, 2)  # not replicated (replicate_every)
     ref = s.latest_complete()
     assert ref is not None and (ref.step, ref.tier) == (2, "local")
-    f = local_file(tmp_path / "nvme", ref.save_id, "a")
+    f = local_file(tmp_path / "nvme", ref, "a")
     f.write_bytes(f.read_bytes()[:-10])
     with pytest.raises(CorruptionError):
         b"".join(s.iter_read(ref, "a", CHUNK))

@@ -35,6 +35,8 @@ from tests.incremental.common import GRACE, LONG, Clock, long_timing
 
 IDENT = {"m": "machine"}
 FAST = RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.01)
+#: TwoTiers damages version 2's whole-component files in the local tier (TwoTiersWithPieces: version 3's pieces)
+WHOLE_FILES = 2
 
 
 def payload(step: int, attempt: int) -> bytes:
@@ -72,7 +74,7 @@ class TwoTiers(RuleBasedStateMachine):
 
     def _open(self) -> CheckpointStore:
         s = CheckpointStore.open(self._durable(), "run", identity=IDENT, local_tier=self.local, retry=FAST,
-                                 max_replication_lag=3, local_keep=3, close_flush_seconds=0.05)
+                                 max_replication_lag=3, local_keep=3, close_flush_seconds=0.05, protocol_version=WHOLE_FILES)
         self.step = (s.resumed_from.step + 1) if s.resumed_from is not None else 0
         return s
 

@@ -2,7 +2,8 @@
 
     python tests/workers/dist_worker.py SPEC_JSON
 
-SPEC: rank, world, port, url, opts, scenario (a name), args. Prints one
+SPEC: rank, world, port, url, opts, scenario (a name), args (``protocol_version``: of the
+run the job creates; absent: the default). Prints one
 ``RESULT <json>`` line per outcome; the driver (tests/workers/dist_launch.py) reads
 them. Faults are real: the process sends itself SIGKILL at the named point.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ckptstore import OpenOptions
 from ckptstore.distributed import coordinator, open_distributed
 
 
@@ -123,6 +125,7 @@ def main() -> None:
         run = open_distributed(
             spec["url"], "run", identity=ident, storage_options=opts, timeout=float(args.get("timeout", 60)),
             save_timeout=float(args.get("save_timeout", 30)), reshard=bool(args.get("reshard", False)),
+            options=OpenOptions(protocol_version=args["protocol_version"]) if "protocol_version" in args else None,
         )
     except Exception as exc:  # noqa: BLE001
         emit(event="open", **err_json(exc))

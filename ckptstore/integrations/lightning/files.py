@@ -21,7 +21,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from ... import RecordAuth
 from ...errors import CommitConflictError, InvalidInputError
 from ...options import AuthOptions, OpenOptions
-from ...protocol import canonical_json
+from ...protocol import ComponentEntry, canonical_json
 from ...protocol.auth import AuthPolicy, Keyring
 from ...shims.lightning_private import PATH
 from ...store import CheckpointStore, SaveRef
@@ -54,7 +54,6 @@ class _Part:
     tree: Any
     tensors: dict[str, torch.Tensor]
     component: str | None
-    digest: str | None  # BLAKE3 of the safetensors bytes of ``tensors`` (None: no tensors)
     size: int
 
 
@@ -92,18 +91,17 @@ def encode_checkpoint(checkpoint: Mapping[str, Any], registry: TypeRegistry | No
         if tensors:
             comp = _component_name(key)
             size, _chunks = safetensors_stream(tensors)
-        parts[key] = _Part(fl.tree, tensors, comp, None, size)
+        parts[key] = _Part(fl.tree, tensors, comp, size)
     return parts
 
 
-def _digest(p: _Part) -> str | None:
-    """BLAKE3 of the part's safetensors bytes (what the store would record), computed once."""
-    if p.digest is None and p.tensors:
-        h = blake3.blake3()
-        for c in safetensors_stream(p.tensors)[1]:
-            h.update(c)
-        p.digest = h.hexdigest()
-    return p.digest
+def _same_tensors(entry: ComponentEntry | None, p: _Part) -> bool:
+    """Whether the part's tensors, as safetensors bytes, are exactly the published
+    component ``entry`` (None: it had none), whatever layout the store gave it
+    (whole, or pieces: ``ComponentEntry.matches``)."""
+    if entry is None or not p.tensors:
+        return entry is None and not p.tensors
+    return entry.matches(safetensors_stream(p.tensors)[1])
 
 
 def _canonical(x: Any) -> bytes:
@@ -124,7 +122,7 @@ class Published:
 
     ref: SaveRef
     trees: dict[str, bytes]  # key -> canonical JSON of its tree
-    digests: dict[str, str | None]  # key -> tensor component digest
+    tensors: dict[str, ComponentEntry | None]  # key -> its tensor component's entry (None: no tensors)
 
 
 def publish(store: CheckpointStore, step: int, parts: dict[str, _Part], path: str) -> Published:
@@ -148,10 +146,12 @@ def publish(store: CheckpointStore, step: int, parts: dict[str, _Part], path: st
         with store.save(step, metadata=metadata, expect=[DOC_COMPONENT, *comps]) as s:
             for name, p in sorted(comps.items()):
                 _size, chunks = safetensors_stream(p.tensors)
-                p.digest = s.put(name, chunks).blake3
+                s.put(name, chunks)
             s.put(DOC_COMPONENT, doc_bytes)
         assert s.ref is not None
-        return Published(s.ref, {k: _canonical(p.tree) for k, p in parts.items()}, {k: p.digest for k, p in parts.items()})
+        entries = s.ref.components
+        return Published(s.ref, {k: _canonical(p.tree) for k, p in parts.items()},
+                         {k: entries[p.component] if p.component else None for k, p in parts.items()})
     except CommitConflictError:
         # another writer of this attempt (another plug-in instance) committed this step first
         assert store.attempt is not None
@@ -164,7 +164,7 @@ def load_published(store: CheckpointStore, ref: SaveRef) -> Published:
     return Published(
         ref,
         {k: _canonical(t) for k, t in doc["trees"].items()},
-        {k: (ref.components[comps[k]].blake3 if k in comps else None) for k in doc["trees"]},
+        {k: (ref.components[comps[k]] if k in comps else None) for k in doc["trees"]},
     )
 
 
@@ -174,7 +174,7 @@ def inline_state(pub: Published, parts: dict[str, _Part], step: int, max_inline_
     total = 0
     for key, p in parts.items():
         tree = _canonical(p.tree)
-        if pub.trees.get(key) == tree and pub.digests.get(key, "absent") == _digest(p):
+        if pub.trees.get(key) == tree and key in pub.tensors and _same_tensors(pub.tensors[key], p):
             continue  # identical: referenced from the save
         total += len(tree) + p.size
         if total > max_inline_bytes:

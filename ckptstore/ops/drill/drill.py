@@ -172,8 +172,9 @@ class Drill:
             ref = self.reader(run_id).get_save(step)
         except Exception:  # noqa: BLE001
             return None
-        c = ref.components.get("optimizer.safetensors")
-        return c.blake3 if c else None
+        if "optimizer.safetensors" not in ref.components:
+            return None
+        return self.reader(run_id).content_digest(ref, "optimizer.safetensors")  # the bytes, whatever the layout
 
     def _restart_check(self, label: str, r: ProcResult, expect_step: int) -> None:
         resumed = r.first("RESUMED")
@@ -263,7 +264,7 @@ class Drill:
             ref = i.ref
             assert ref is not None
             stages.append((f"batch-order@{i.step}", str(ref.metadata.get("batch_order"))))
-            stages.append((f"parameters@{i.step}", ref.components["model.safetensors"].blake3))
+            stages.append((f"parameters@{i.step}", st.content_digest(ref, "model.safetensors")))
         return stages
 
     @staticmethod

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from ...options import OpenOptions, TierOptions
 from ...protocol import component_key
+from ...protocol.layout import piece_key
 from ...store import CheckpointStore
 from ..budget import young_daly_interval
 from .proc import ProcResult
@@ -80,7 +81,11 @@ def run_tiered(d: DrillLike, mtbi_steps: float, step_seconds: float) -> dict[str
         newest = CheckpointStore.open(reader.backend, RUN, mode="r", options=OpenOptions(tiers=TierOptions(local))).latest_complete()
         flipped = False
         if newest is not None and newest.tier != "durable":
-            f = local / component_key(RUN, newest.save_id, "optimizer.safetensors")
+            entry = newest.components["optimizer.safetensors"]
+            own = [p for p in entry.pieces or () if p.holder == newest.save_id] or list(entry.pieces or ())
+            # a whole component's file, or (protocol version 3) a piece of it, preferably one this save wrote
+            f = local / (piece_key(RUN, own[-1].holder, own[-1].digest) if own
+                         else component_key(RUN, newest.save_id, "optimizer.safetensors"))
             if f.exists():
                 b = bytearray(f.read_bytes())
                 b[len(b) // 2] ^= 0x01

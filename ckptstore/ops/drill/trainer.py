@@ -276,10 +276,15 @@ def _backend(url: str, storage_options: dict[str, Any] | None, slow_commit: floa
     fb = FaultyBackend(backend_from_url(url, storage_options=storage_options))
     if slow_commit:
         fb.slow(None, slow_commit, when=lambda op, key: op == "create" and "/commits/" in key)
+    # whole components (protocol versions 1, 2) by name; pieces (version 3, the default) are named by
+    # content: a save's pieces are put one by one, so slowing each lands the kill between two of them
+    # (after a component) or inside one (mid-component)
     if slow_after_component:
-        fb.slow(None, slow_after_component, when=lambda op, key: op == "put" and key.endswith("state.json"))
+        fb.slow(None, slow_after_component,
+                when=lambda op, key: op == "put" and (key.endswith("state.json") or "/pieces/" in key))
     if slow_mid_component:
-        fb.slow_stream(slow_mid_component, when=lambda op, key: op == "put" and key.endswith("optimizer.safetensors"))
+        fb.slow_stream(slow_mid_component, when=lambda op, key: op == "put" and (
+            key.endswith("optimizer.safetensors") or "/pieces/" in key))
     return fb
 
 

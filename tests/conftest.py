@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -48,6 +49,7 @@ settings.load_profile(os.environ.get("CKPT_HYPOTHESIS_PROFILE", "default"))
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import MemoryBackend, clear_memory_registry
+from tests.helpers import THREADS_BEFORE_TEST
 
 ALL_KINDS = ["memory", "local", "seaweedfs", "moto", "fakegcs"]
 EXTERNAL_KINDS = ["external-s3", "external-gcs"]
@@ -81,6 +83,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 kinds = kinds + OPT_IN_KINDS
             kinds = [k for k in kinds if k in only]
         metafunc.parametrize("backend_kind", kinds, scope="function")
+
+
+@pytest.fixture(autouse=True)
+def _threads_before_the_test() -> None:
+    THREADS_BEFORE_TEST.clear()
+    THREADS_BEFORE_TEST.update(threading.enumerate())
 
 
 @pytest.fixture(autouse=True)

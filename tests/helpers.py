@@ -8,6 +8,7 @@ worker scripts (tests/workers/) run as separate processes and keep their own.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -96,3 +97,19 @@ def RawAccess(backend: Backend) -> RawStorage:
         if isinstance(backend, cls):
             return raw(backend)
     raise TypeError(f"no raw access for {type(backend).__name__}")
+
+
+#: The threads alive when the running test began (the autouse fixture in conftest.py sets it):
+#: another test's background writes (one may retry a server that test stopped, for minutes) are
+#: not the running test's.
+THREADS_BEFORE_TEST: set[threading.Thread] = set()
+
+
+def settle_background_writes() -> None:
+    """Wait for the background writes the running test's saves started: a
+    version-3 save writes its next save intent in a thread after it returns
+    (PROTOCOL.md §9.4), so a test that compares snapshots of the storage waits
+    for those first (threads named ``ckptstore-intent`` started in this test)."""
+    for t in threading.enumerate():
+        if t.name == "ckptstore-intent" and t not in THREADS_BEFORE_TEST:
+            t.join()

@@ -753,10 +753,6 @@ def check_present(io: RunIO, components: Mapping[str, ComponentEntry], save_id: 
 
 
 # ----------------------------------------------------------- checking, reading
-def _holder_listing(io: RunIO, holders: Iterable[str]) -> dict[tuple[str, str], int]:
-    return {hd: p.size for hd, p in list_holders(io, set(holders)).items()}
-
-
 def check_pieces(
     io: RunIO, components: Iterable[ComponentEntry], listed: Mapping[tuple[str, str], ListedPiece] | None,
     deep: bool, memo: set[tuple[str, str]] | None = None,
@@ -771,13 +767,15 @@ def check_pieces(
     for c in comps:
         for p in c.pieces or ():
             need[(p.holder, p.digest)] = p.size
-    sizes = ({hd: p.size for hd, p in listed.items()} if listed is not None
-             else _holder_listing(io, (h for h, _ in need)))
+    # the scan's listing is looked up, never copied: a listing of the run's pieces is checked once per
+    # save, and a copy per save would make a listing of H saves cost H x the run's pieces
+    sizes = listed if listed is not None else list_holders(io, {h for h, _ in need})
     problems: Problems = []
     for c in sorted(comps, key=lambda c: c.name):
         for p in c.pieces or ():
             hd = (p.holder, p.digest)
-            got = sizes.get(hd)
+            found = sizes.get(hd)
+            got = None if found is None else found.size
             if got is None:
                 problems.append((SkipReason.MISSING_COMPONENT, f"component {c.name!r}: piece {p.digest[:16]} of save "
                                  f"{p.holder} is missing"))

@@ -24,6 +24,7 @@ import pytest
 
 from ckptstore import CheckpointStore, CkptStoreError, Keyring, SaveRef, SaveState
 from ckptstore.backends.base import Backend
+from tests.helpers import settle_background_writes
 
 pytestmark = pytest.mark.backends("local", "seaweedfs", "fakegcs")
 
@@ -123,6 +124,7 @@ def test_early_replication_on_a_version_3_run_is_refused_at_open_with_the_fix(
     if how == "existing-run":
         CheckpointStore.open(backend, "run", identity=IDENT, protocol_version=3).close()
     version = 3 if how == "new-run" else None
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = backend.list_keys("")
     with pytest.raises(CkptStoreError, match="early_replication is not available on a protocol version 3 run"):
         CheckpointStore.open(backend, "run", identity=IDENT, protocol_version=version,

@@ -35,7 +35,7 @@ from ckptstore.integrations.hf import (
     publish_checkpoint_dir,
     restore_latest,
 )
-from tests.helpers import IDENT
+from tests.helpers import IDENT, settle_background_writes
 from tests.workers.dist_launch import run_job
 
 pytestmark = pytest.mark.backends("local", "moto")
@@ -47,6 +47,7 @@ WORKER = str(Path(__file__).parents[1] / "workers" / "hf_worker.py")
 
 def snapshot(top: Path) -> dict[str, tuple[str, int, int, bytes | str]]:
     """Every entry under ``top`` (links not followed): kind, mode, mtime, content or link target."""
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     out: dict[str, tuple[str, int, int, bytes | str]] = {}
     for dirpath, dirs, files in os.walk(top):
         for n in dirs + files:
@@ -111,6 +112,7 @@ def open_store(url: str, opts: dict[str, Any]) -> CheckpointStore:
 
 def stored_objects(url: str, opts: dict[str, Any]) -> dict[str, bytes]:
     """Every object the store holds for the run, read straight from the backend."""
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     store = CheckpointStore.open(url, RUN, mode="r", storage_options=opts or None)
     return {o.key: store.backend.get(o.key) for o in store.backend.list(P.run_prefix(RUN))}
 

@@ -29,7 +29,7 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import named_memory_backend
 from ckptstore.cli.commands import main as cli_main
 from ckptstore.protocol.records import AttemptRecord
-from tests.helpers import IDENT, RawAccess
+from tests.helpers import IDENT, RawAccess, settle_background_writes
 
 RUN = "run"
 #: the tests that read or plant whole components under saves/ (payload_of) use version 2's layout
@@ -192,6 +192,7 @@ def test_twins_of_real_names_replace_nothing_and_gc_keeps_every_save(
         }
     for key, data in planted.items():
         raw.set(key, data)
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = tree(env.outside)
 
     sel = reader(env).latest_complete(deep=True, explain=True)
@@ -297,6 +298,7 @@ def test_unreadable_commit_record_keeps_its_save_through_gc(
     record = raw.get(ckey)
     assert record is not None
     raw.set(ckey, _tear(record, how, hurt.save_id))
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = tree(env.outside)
 
     infos = {i.save_id: i for i in reader(env).list_saves(grace_seconds=0)}
@@ -360,6 +362,7 @@ def test_names_that_are_not_component_names_are_left_alone_by_gc(
     planted[f"{RUN}/saves/not-a-save-id/model"] = b"planted"
     for k, v in planted.items():
         raw.set(k, v)
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = tree(env.outside)
 
     rep = reader(env).gc(keep_last=1, grace_seconds=0, dry_run=True)

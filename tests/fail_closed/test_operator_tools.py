@@ -33,7 +33,7 @@ from ckptstore.ops.budget import Budget
 from ckptstore.ops.events import CLOCK_SKEW_S, validate_events
 from ckptstore.ops.report import build_record
 from ckptstore.protocol.auth import Keyring
-from tests.helpers import IDENT, RawAccess
+from tests.helpers import IDENT, RawAccess, settle_background_writes
 
 KEY_HEX = "5a" * 32
 K1 = Keyring({"k1": bytes.fromhex(KEY_HEX)})
@@ -119,6 +119,7 @@ def test_cli_gc_refusal_is_printed_with_its_reason_and_exits_1(
     st.close()  # a version-3 writer writes its intent in the background: before the listing below
     # an attempt record planted without the key: under require it fences nothing, and stops gc
     RawAccess(place.backend()).set(P.attempt_key("run", 2), P.AttemptRecord("run", 2, None, "evil", 1.0).encode())
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = sorted(o.key for o in place.backend().list("run/"))
     # the public API says why
     rep = CheckpointStore.open(place.backend(), "run", mode="r", auth_policy="require", keyring=K1).gc(

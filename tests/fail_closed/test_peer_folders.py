@@ -44,6 +44,7 @@ from ckptstore.tiers import (
 from ckptstore.tiers import peer_copies as pc
 from ckptstore.tiers import peer_frames as pf
 from ckptstore.tiers import peer_repair as pr
+from tests.helpers import settle_background_writes
 from tests.peer_wire import End, Wire
 
 IDENT = {"model": "tiny", "world_size": 2}
@@ -123,6 +124,7 @@ def job(made: Job, tmp_path: Path) -> Job:
 
 def snapshot(top: Path) -> dict[str, tuple[str, bytes]]:
     """Every entry under ``top`` (links not followed): kind and content."""
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     out: dict[str, tuple[str, bytes]] = {}
     for dirpath, dirs, files in os.walk(top):
         for n in dirs + files:

@@ -30,7 +30,7 @@ from ckptstore.errors import (
     StoreUnavailableError,
 )
 from ckptstore.protocol import LATEST_LAYOUT
-from tests.helpers import IDENT
+from tests.helpers import IDENT, settle_background_writes
 
 CLI_TIMEOUT = 120
 #: the tests that plant links and special files at save folders or components under saves/ use version 2's
@@ -40,6 +40,7 @@ V2 = OpenOptions(protocol_version=2)
 
 def snapshot(top: Path) -> dict[str, tuple[str, int, bytes]]:
     """Every entry under ``top`` (not following links): kind, mode, content."""
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     out: dict[str, tuple[str, int, bytes]] = {}
     for dirpath, dirs, files in os.walk(top):
         for n in dirs + files:

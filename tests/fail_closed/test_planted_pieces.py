@@ -48,7 +48,7 @@ from tests.fail_closed.test_planted_local import (
 from tests.fail_closed.test_secrets_and_terminals import EVIL, assert_clean
 from tests.fail_closed.test_selection import Where, changed, objects, where
 from tests.fail_closed.test_selection import two_saves as two_saves_at
-from tests.helpers import IDENT, RawAccess
+from tests.helpers import IDENT, RawAccess, settle_background_writes
 from tests.incremental.common import LONG, Clock, long_timing
 
 __all__ = ["where"]  # the fixture of test_selection.py, used here as it is there
@@ -157,6 +157,7 @@ def test_gc_with_a_linked_holder_folder_deletes_nothing_outside(tmp_path: Path) 
     os.utime(stale, (1e9, 1e9))
     holder = root / RUN / "pieces" / old.save_id
     replace_with_link(holder, out)
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = snapshot(out)
 
     reader = CheckpointStore.open(root, RUN, mode="r")
@@ -186,6 +187,7 @@ def test_links_in_place_of_an_older_saves_pieces_are_not_read_nor_followed_by_gc
         pc = only_piece(old, name)
         (out / name).write_bytes(piece_path(root, pc).read_bytes())  # the piece's very bytes, outside
         replace_with_link(piece_path(root, pc), out / name)
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = snapshot(out)
 
     reader = CheckpointStore.open(root, RUN, mode="r")
@@ -215,6 +217,7 @@ def test_links_in_place_of_the_newest_saves_pieces_make_it_corrupt_not_outside_b
         pc = only_piece(new, name)
         (out / name).write_bytes(piece_path(root, pc).read_bytes())
         replace_with_link(piece_path(root, pc), out / name)
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = snapshot(out)
 
     reader = CheckpointStore.open(root, RUN, mode="r")
@@ -249,6 +252,7 @@ def test_a_live_writer_never_reuses_pieces_behind_a_linked_holder_folder(tmp_pat
     holder = root / RUN / "pieces" / first.save_id
     shutil.copytree(holder, out / "copy")
     replace_with_link(holder, out / "copy")
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = snapshot(out)
 
     with st.save(2) as s:
@@ -277,6 +281,7 @@ def test_a_linked_pieces_folder_is_refused_by_writers_and_nothing_lands_outside(
     settle(st)  # the intent written after the last commit landed
     shutil.copytree(root / RUN / "pieces", out / "pieces")
     replace_with_link(root / RUN / "pieces", out / "pieces")
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = snapshot(out)
 
     # the open writer's next save
@@ -375,6 +380,7 @@ def test_gc_of_a_partial_saves_piece_folder_holding_links_keeps_everything_outsi
     if intent == "expired":  # the killed save's last write is long past (older than any grace)
         for entry in [*regular, hard.name]:
             os.utime(partial / entry, (time.time() - 2 * LONG, time.time() - 2 * LONG))
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = snapshot(out)
 
     if intent == "live":

@@ -33,7 +33,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.memory import named_memory_backend
 from ckptstore.cli.commands import main as cli_main
-from tests.helpers import IDENT, RawAccess
+from tests.helpers import IDENT, RawAccess, settle_background_writes
 
 RUN = "run"
 V2 = OpenOptions(protocol_version=2)  # a record stamped 3 (the newest version) is another version only in an older run
@@ -86,6 +86,7 @@ def env(backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> It
 
 def snapshot(env: Env) -> dict[str, str]:
     """Every object of the store and every file beside it, with a digest of its bytes."""
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     b = env.backend()
     raw = RawAccess(b)
     out = {o.key: hashlib.sha256(raw.get(o.key) or b"").hexdigest() for o in b.list("")}

@@ -43,6 +43,7 @@ from ckptstore.ops.artifact_check import ArtifactReport, verify_artifact
 from ckptstore.ops.promote import promote, promotion_check, provenance_of
 from ckptstore.ops.weights import TensorSource, model_source
 from ckptstore.torch import Checkpointer, read_state
+from tests.helpers import settle_background_writes
 
 STORES = pytest.mark.backends("memory", "local", "moto")
 IDENT = {"data_digest": "d-1", "code_digest": "c-1", "planned_steps": 4}
@@ -113,6 +114,7 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 def snapshot(top: Path) -> dict[str, tuple[str, int, bytes | str]]:
     """Every entry under ``top`` (links not followed): kind, mode, content or link target."""
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     out: dict[str, tuple[str, int, bytes | str]] = {}
     for dirpath, dirs, files in os.walk(top):
         for n in dirs + files:

@@ -16,7 +16,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.cli.commands import main as cli_main
 from ckptstore.protocol.auth import Keyring
 from tests.fail_closed.test_parsing import Counted
-from tests.helpers import IDENT, RawAccess
+from tests.helpers import IDENT, RawAccess, settle_background_writes
 
 K1 = Keyring({"k1": b"\x01" * 32})
 SIDECARS = "run/auth/commits/"
@@ -38,6 +38,7 @@ def test_status_prom_into_a_place_it_cannot_write_is_one_line_before_any_read(
     (tmp_path / "d.prom").mkdir()
     target = {"missing-dir": tmp_path / "nope" / "deeper" / "m.prom", "is-a-dir": tmp_path / "d.prom",
               "parent-is-a-file": tmp_path / "file" / "m.prom", "not-prom": tmp_path / "m.txt"}[where]
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     capsys.readouterr()
     rc = cli_main(["status", str(store), "run", "--prom", str(target)])

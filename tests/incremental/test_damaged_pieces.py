@@ -22,6 +22,7 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.core.piece_evidence import REHASH_EVERY
 from ckptstore.core.pieces import DamagedPieceWarning
 from ckptstore.protocol.selection import SaveRef
+from tests.helpers import settle_background_writes
 from tests.incremental.common import FROZEN, IDENT, RUN, long_timing, save
 
 
@@ -57,6 +58,7 @@ def restores(backend: Backend, step: int, model: bytes) -> None:
 
 
 def snapshot(backend: Backend) -> dict[str, bytes]:
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     return {k: backend.get(k) for k in backend.list_keys("")}
 
 

@@ -23,6 +23,7 @@ import torch
 
 from ckptstore import CheckpointStore, OpenOptions
 from ckptstore.torch import Checkpointer
+from tests.helpers import settle_background_writes
 
 IDENT = {"data_digest": "fsync-count"}
 
@@ -41,7 +42,7 @@ class Counts:
 def counting(monkeypatch: pytest.MonkeyPatch, root: str) -> Iterator[Counts]:
     """Count the fsyncs while the block runs, each by the folder (``dir <rel>``)
     or the folder of the file (``file <rel>``) it made durable."""
-    _join_intent_writes(only_new=_BEFORE_TEST)  # an earlier save's of this test: not this one's
+    settle_background_writes()  # an earlier save's of this test: not this one's
     before = set(threading.enumerate())
     c = Counts(root)
     lock = threading.Lock()
@@ -74,17 +75,6 @@ def counting(monkeypatch: pytest.MonkeyPatch, root: str) -> Iterator[Counts]:
     finally:
         monkeypatch.setattr(os, "fsync", real_fsync)
         monkeypatch.setattr(os, "fdatasync", real_fdatasync)
-
-
-#: the threads alive when the running test began: another test's intent writes (one may retry a server
-#: that test stopped for minutes) are not this test's
-_BEFORE_TEST: set[threading.Thread] = set()
-
-
-@pytest.fixture(autouse=True)
-def _threads_before_the_test() -> None:
-    _BEFORE_TEST.clear()
-    _BEFORE_TEST.update(threading.enumerate())
 
 
 def _join_intent_writes(only_new: set[threading.Thread]) -> None:

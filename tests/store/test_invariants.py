@@ -23,7 +23,7 @@ from ckptstore import (
 )
 from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
-from tests.helpers import IDENT, blob, open_reader, open_writer, save
+from tests.helpers import IDENT, blob, open_reader, open_writer, save, settle_background_writes
 
 # these tests plant into version 2's layout: whole components under saves/ (version 3's planted pieces:
 # tests/incremental, tests/fail_closed/test_peer_pieces.py)
@@ -89,6 +89,7 @@ def test_read_only_open_registers_nothing(open_store, backend_factory) -> None: 
     writer = open_store()
     save(writer, 1)
     writer.close()  # version 3: the writer's intent is written in the background after its commit
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = backend_factory().list("run/")
     r = reader(backend_factory)
     r.latest_complete()
@@ -291,6 +292,7 @@ def test_gc_dry_run_deletes_nothing_and_grace_zero_collects_partials(open_store,
     w = st.save(3)
     w.put("model", b"x")
     b = backend_factory()
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = b.list("run/")
     rep = st.gc(keep_last=1, grace_seconds=0, dry_run=True)
     assert b.list("run/") == before
@@ -334,6 +336,7 @@ def test_identity_mismatch_writes_nothing(open_store, backend_factory) -> None: 
     writer = open_store()
     save(writer, 1)
     writer.close()  # version 3: the writer's intent is written in the background after its commit
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = backend_factory().list("run/")
     with pytest.raises(IdentityMismatchError):
         open_store(identity={**IDENT, "code_digest": "other"})
@@ -477,6 +480,7 @@ INPUT_CHECK_BACKENDS = pytest.mark.backends("memory", "local", "fakegcs")
 )
 def test_bad_component_names_write_nothing(open_store, backend_factory, name) -> None:  # type: ignore[no-untyped-def]
     st = open_store(options=V2)  # counts the objects under saves/
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = backend_factory().list("run/saves/")
     with st.save(1) as s:
         with pytest.raises(InvalidInputError):

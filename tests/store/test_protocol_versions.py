@@ -37,7 +37,7 @@ from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.memory import MemoryBackend
 from ckptstore.protocol import records
 from ckptstore.testing.invariants import invariant_1_violations
-from tests.helpers import IDENT, RawAccess
+from tests.helpers import IDENT, RawAccess, settle_background_writes
 
 V1_NAME = re.compile(r"^\d{12}\.\d{8}\.json$")
 V2_NAME = re.compile(r"^\d{12}\.\d{8}-\d{12}\.\d{8}\.json$")
@@ -241,6 +241,7 @@ def test_a_reader_that_knows_only_version_1_refuses_a_version_2_run(
     b = backend_factory()
     save(CheckpointStore.open(b, "new", identity=IDENT, options=V2), 1)
     plant_v1_run(b, "old", range(1, 2))
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = {k: RawAccess(b).get(k) for k in keys(b, "")}
     monkeypatch.setattr(records, "PROTOCOL_VERSION", 1)  # what a version-1 release checks
     for kw in ({"mode": "r"}, {"identity": IDENT}):

@@ -29,6 +29,7 @@ from ckptstore.errors import CkptStoreError, LocalTierRefusedError, SupersededEr
 from ckptstore.protocol import AttemptRecord, attempt_key
 from ckptstore.tiers.parts import local_holdings
 from ckptstore.tiers.tier_dir import quarantine_run_folder
+from tests.helpers import settle_background_writes
 
 IDENT = {"model": "tiny", "seed": 1}
 RANKED = {"model": "tiny", "world_size": 1}
@@ -46,6 +47,7 @@ def save(store: CheckpointStore, step: int) -> None:
 
 def snapshot(top: Path) -> dict[str, tuple[str, int, bytes]]:
     """Every entry under ``top`` (links not followed): kind, mode, content."""
+    settle_background_writes()  # a version-3 save's next intent lands after the save returned
     out: dict[str, tuple[str, int, bytes]] = {}
     for dirpath, dirs, files in os.walk(top):
         for n in dirs + files:

@@ -31,6 +31,7 @@ from ckptstore.protocol.layout import intents_prefix, pieces_prefix
 from ckptstore.protocol.pieces import PACK_BYTES
 from ckptstore.protocol.records import IntentRecord
 from ckptstore.retry import RetryPolicy
+from tests.helpers import settle_background_writes
 from tests.incremental.common import GRACE, LONG, Clock, long_timing
 
 IDENT = {"m": "machine"}
@@ -279,11 +280,13 @@ class TwoTiersPlanted(TwoTiers):
         self.outside = self.dir / "outside"
         (self.outside / "run").mkdir(parents=True)
         (self.outside / "run" / "notes.txt").write_bytes(b"a user's file")
+        settle_background_writes()  # a version-3 save's next intent lands after the save returned
         self.outside_before = _tree(self.outside)
         self.planted_attempt = 40
 
     def _refused(self, tier: Path) -> None:
         """An open on ``tier`` is refused and changes nothing in the durable store."""
+        settle_background_writes()  # a version-3 save's next intent lands after the save returned
         before = _tree(self.dir / "durable")
         try:
             s = CheckpointStore.open(self._durable(), "run", identity=IDENT, local_tier=tier, retry=FAST)
@@ -331,6 +334,7 @@ class TwoTiersPlanted(TwoTiers):
             rr.unlink()
         rr.write_bytes(b'{"another":"run"}')
         q.symlink_to(self.outside)
+        settle_background_writes()  # a version-3 save's next intent lands after the save returned
         before = _tree(self.local)
         self._refused(self.local)
         assert _tree(self.local) == before  # nothing moved

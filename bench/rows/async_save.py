@@ -24,6 +24,7 @@ import torch
 
 from bench import torchstate as ts
 from bench.common import IDENTITY, Config, Measure, Row, human, interleave, memory_shortfall, rm, scratch, sync
+from bench.rows.sync_save import changed
 from ckptstore import CheckpointStore
 from ckptstore.torch import Checkpointer
 
@@ -95,7 +96,8 @@ def run(cfg: Config) -> list[Row]:
             rm(p)
             return b
 
-        contenders: dict[str, Callable[[int], float | None]] = {"floor": floor, "ckptstore": ours, "dcp": theirs}
+        contenders: dict[str, Callable[[int], float | None]] = {
+            k: changed(fn, model, opt) for k, fn in {"floor": floor, "ckptstore": ours, "dcp": theirs}.items()}
         with torch.no_grad():
             interleave(contenders, cfg.repeat, warmup=1)  # warm-up: first async save allocates the buffers
         ck.close()

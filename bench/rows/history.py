@@ -34,20 +34,28 @@ from ckptstore.backends.faults import FaultyBackend
 RUN = "hist"
 
 
+#: the folders of a run whose every entry a listing reads: version 2 keeps its saves' bytes under saves/,
+#: version 3 (the default) under pieces/ (one folder per save that wrote any)
+DATA_DIRS = ("saves", "pieces")
+
+
 def make_history(base: str, h: int, every: int = 1) -> str:
-    """A run of ``h`` committed saves of 64 bytes at steps 0, every, 2*every, ..."""
+    """A run of ``h`` committed saves of 64 bytes at steps 0, every, 2*every, ..., each of other bytes (as a
+    training run's saves: version 3 then writes a piece for each, under a folder of its own)."""
     url = os.path.join(base, f"h{h}" if every == 1 else f"h{h}-e{every}")
     st = CheckpointStore.open(url, RUN, identity=IDENTITY)
     for i in range(h):
         with st.save(i * every) as s:
-            s.put("model", b"w" * 64)
+            s.put("model", b"w" * 56 + i.to_bytes(8, "big"))
     st.close()
     return url
 
 
 def scan_floor(url: str) -> Callable[[int], float | None]:
+    subs = [s for s in ("commits", *DATA_DIRS) if os.path.isdir(os.path.join(url, RUN, s))]
+
     def go(r: int) -> None:
-        for sub in ("commits", "saves"):
+        for sub in subs:
             with os.scandir(os.path.join(url, RUN, sub)) as it:
                 for e in it:
                     e.is_dir()

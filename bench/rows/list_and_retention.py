@@ -8,7 +8,7 @@ on tmpfs through the public API, then copied file for file to the local disk)
 is listed with ``list_saves()`` on a store opened for the call (cold: nothing
 of the run known to the process) and again on the same store (warm). Floors,
 in the same rounds: a bare ``os.scandir`` of the run's ``commits/`` and
-``saves/`` (what any listing of the run must at least read), and that plus
+``saves/`` or ``pieces/`` (what any listing of the run must at least read), and that plus
 one ``scandir`` of each save's folder (what judging every save by its listed
 components must read without an index). On S3 (SeaweedFS on loopback, started
 by ``devservers/servers.py``; the run copied object for object): seconds and
@@ -43,22 +43,25 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import IDENTITY, Config, Measure, Row, interleave, markdown, scratch
-from bench.rows.history import RUN, fresh_list, make_history, scan_floor
+from bench.rows.history import DATA_DIRS, RUN, fresh_list, make_history, scan_floor
 from ckptstore import CheckpointStore
 
 KEEP_EVERY = 10
 
 
 def _walk_floor(url: str) -> Callable[[int], float | None]:
+    data = [d for d in DATA_DIRS if os.path.isdir(os.path.join(url, RUN, d))]
+
     def go(r: int) -> None:
         with os.scandir(os.path.join(url, RUN, "commits")) as it:
             for e in it:
                 e.stat(follow_symlinks=False)
-        with os.scandir(os.path.join(url, RUN, "saves")) as it:
-            for e in it:
-                with os.scandir(e.path) as sub:
-                    for f in sub:
-                        f.stat(follow_symlinks=False)
+        for d in data:
+            with os.scandir(os.path.join(url, RUN, d)) as it:
+                for e in it:
+                    with os.scandir(e.path) as sub:
+                        for f in sub:
+                            f.stat(follow_symlinks=False)
     return go
 
 
@@ -79,7 +82,7 @@ def listing_rows(disk: str, shm: str, h: int, repeat: int) -> list[Row]:
     warm.close()
     shutil.rmtree(src)
     return [
-        Row("10", f"list_saves(), H={h:,}, local disk", "s", Measure("scandir of commits/ and saves/", res["top"]), [
+        Row("10", f"list_saves(), H={h:,}, local disk", "s", Measure("scandir of commits/ and saves/ or pieces/", res["top"]), [
             Measure("list_saves(), store opened for the call (cold)", res["cold"]),
             Measure("list_saves(), same store again (warm)", res["warm"]),
             Measure("floor 2: scandir+stat of commits/ and of every save's folder", res["walk"]),

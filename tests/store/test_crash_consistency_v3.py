@@ -119,6 +119,7 @@ def check_selected(backend: Backend, run: str, first: SaveRef, acked: bool, cont
     return latest
 
 
+@pytest.mark.backends("memory", "local", "seaweedfs", "fakegcs")  # S3 once (moto alone took 22 s of it)
 def test_crash_at_every_backend_operation_of_a_pieced_save(backend_factory: Callable[[], Backend]) -> None:
     inner = backend_factory()
     # count the operations of the second save (and of the intent write after its commit) on an uncrashed run

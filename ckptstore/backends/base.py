@@ -180,6 +180,10 @@ class Backend(abc.ABC):
     url: str = ""
     #: ranges of one object worth reading at the same time (object stores: latency hides behind concurrency)
     read_concurrency: int = 1
+    #: small objects (a component's pieces, version 3) worth reading at the same time; None: as
+    #: ``read_concurrency``. A local disk sets its own: one file's spans gain nothing from concurrent reads
+    #: there, while several cold files do (each open and first read waits on the disk)
+    objects_concurrency: int | None = None
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes: ...

@@ -373,24 +373,9 @@ class RunIO:
 
         own = getattr(self.backend, "objects_concurrency", None)
         want = int(own) if own is not None else int(getattr(self.backend, "read_concurrency", 1))
-        conc = max(1, min(want, 16, len(parts)))
-        if conc == 1:
-            for part in parts:
-                yield (part, *read(part))
-            return
-        pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto")
-        try:
-            pending: deque[tuple[tuple[str, ComponentEntry, str, Scatter], Future[tuple[int, memoryview, bool]]]] = deque()
-            for part in parts:
-                pending.append((part, pool.submit(read, part)))
-                if len(pending) >= conc:
-                    first, fut = pending.popleft()
-                    yield (first, *fut.result())
-            while pending:
-                first, fut = pending.popleft()
-                yield (first, *fut.result())
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        with closing(_in_order(read, parts, want)) as done:  # closed with this one: no read left running
+            for part, (got, hashed, grew) in done:
+                yield part, got, hashed, grew
 
     def _read_span(self, key: str, dest: Scatter, start: int, end: int) -> tuple[int, memoryview]:
         """Read the object's bytes ``[start, end)`` into ``dest``'s bytes at the
@@ -434,25 +419,41 @@ class RunIO:
         def read(span: tuple[int, int]) -> tuple[int, memoryview]:
             return self._read_span(key, dest, span[0], span[1])
 
-        conc = max(1, min(int(getattr(self.backend, "read_concurrency", 1)), 16, len(spans)))
-        if conc == 1:
-            for span in spans:
-                yield (span, *read(span))
-            return
-        pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto")
-        try:
-            pending: deque[tuple[tuple[int, int], Future[tuple[int, memoryview]]]] = deque()
-            for span in spans:
-                pending.append((span, pool.submit(read, span)))
-                if len(pending) >= conc:
-                    first, fut = pending.popleft()
-                    yield (first, *fut.result())
-            while pending:
-                first, fut = pending.popleft()
-                yield (first, *fut.result())
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        with closing(_in_order(read, spans, int(getattr(self.backend, "read_concurrency", 1)))) as done:
+            for span, (got, hashed) in done:
+                yield span, got, hashed
 
     def _extends_past(self, key: str, size: int) -> bool:
         """Whether the object holds a byte at offset ``size`` (it grew past its recorded size)."""
         return self.retry.call(partial(self.backend.readinto, key, size, memoryview(bytearray(1)))) > 0
+
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
+
+
+def _in_order(fn: Callable[[_In], _Out], items: Sequence[_In], concurrency: int
+              ) -> Generator[tuple[_In, _Out], None, None]:
+    """``(item, fn(item))`` for each item, in order, with up to ``concurrency``
+    calls (at most 16) in flight in helper threads (one: in this thread). An
+    exception of ``fn`` is raised when its item's turn comes. Closing the
+    generator early waits for the calls in flight and cancels the rest (none
+    is left writing into a caller's buffer)."""
+    conc = max(1, min(concurrency, 16, len(items)))
+    if conc == 1:
+        for item in items:
+            yield item, fn(item)
+        return
+    pool = ThreadPoolExecutor(conc, thread_name_prefix="ckptstore-readinto")
+    try:
+        pending: deque[tuple[_In, Future[_Out]]] = deque()
+        for item in items:
+            pending.append((item, pool.submit(fn, item)))
+            if len(pending) >= conc:
+                first, fut = pending.popleft()
+                yield first, fut.result()
+        while pending:
+            first, fut = pending.popleft()
+            yield first, fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

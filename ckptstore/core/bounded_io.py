@@ -371,11 +371,28 @@ class RunIO:
             except NotFoundError:
                 raise CorruptionError(f"{self.where(key)}: {label} is missing") from None
 
-        own = getattr(self.backend, "objects_concurrency", None)
-        want = int(own) if own is not None else int(getattr(self.backend, "read_concurrency", 1))
-        with closing(_in_order(read, parts, want)) as done:  # closed with this one: no read left running
+        with closing(_in_order(read, parts, self._objects_concurrency())) as done:  # closed with this one: no read left running
             for part, (got, hashed, grew) in done:
                 yield part, got, hashed, grew
+
+    def hash_objects(self, objects: Sequence[tuple[str, int]]
+                     ) -> Generator[tuple[tuple[str, int], tuple[int, str] | None], None, None]:
+        """``((key, size), (bytes seen, BLAKE3))`` of each object, as
+        :meth:`hash_object` gives it, or ``None`` for one that is missing; in
+        order, up to the backend's ``objects_concurrency`` at once (a deep check
+        of a component's pieces). Closing it early waits for those in flight."""
+        def one(obj: tuple[str, int]) -> tuple[int, str] | None:
+            try:
+                return self.hash_object(obj[0], obj[1])
+            except NotFoundError:
+                return None
+
+        with closing(_in_order(one, objects, self._objects_concurrency())) as done:
+            yield from done
+
+    def _objects_concurrency(self) -> int:
+        own = getattr(self.backend, "objects_concurrency", None)
+        return int(own) if own is not None else int(getattr(self.backend, "read_concurrency", 1))
 
     def _read_span(self, key: str, dest: Scatter, start: int, end: int) -> tuple[int, memoryview]:
         """Read the object's bytes ``[start, end)`` into ``dest``'s bytes at the

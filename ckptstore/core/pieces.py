@@ -785,14 +785,13 @@ def check_pieces(
     if problems or not deep:
         return problems
     memo = memo if memo is not None else set()
-    for hd, size in sorted(need.items()):
-        if hd in memo:
-            continue
-        try:
-            seen, digest = io.hash_object(piece_key(io.run_id, *hd), size)
-        except NotFoundError:
+    todo = [(hd, size) for hd, size in sorted(need.items()) if hd not in memo]
+    hashed = io.hash_objects([(piece_key(io.run_id, *hd), size) for hd, size in todo])
+    for (hd, size), (_, result) in zip(todo, hashed, strict=True):
+        if result is None:
             problems.append((SkipReason.MISSING_COMPONENT, f"piece {hd[1][:16]} of save {hd[0]} vanished while hashing"))
             continue
+        seen, digest = result
         if seen != size or digest != hd[1]:
             problems.append((SkipReason.HASH_MISMATCH, f"piece {hd[1][:16]} of save {hd[0]}: BLAKE3 does not match"))
         else:

@@ -178,15 +178,20 @@ def test_gc_with_a_linked_holder_folder_deletes_nothing_outside(tmp_path: Path) 
     assert_selected_and_whole(root, new)
 
 
+def link_pieces_outside(root: Path, ref: SaveRef, out: Path) -> None:
+    """Replace the one piece of ``ref``'s model and optimizer by a link to a copy of its very bytes in ``out``."""
+    for name in ("model", "optimizer"):
+        pc = only_piece(ref, name)
+        (out / name).write_bytes(piece_path(root, pc).read_bytes())
+        replace_with_link(piece_path(root, pc), out / name)
+
+
 def test_links_in_place_of_an_older_saves_pieces_are_not_read_nor_followed_by_gc(tmp_path: Path) -> None:
     root = tmp_path / "store"
     out = outside_dir(tmp_path)
     st, old, new = two_saves(root)
     st.close()
-    for name in ("model", "optimizer"):
-        pc = only_piece(old, name)
-        (out / name).write_bytes(piece_path(root, pc).read_bytes())  # the piece's very bytes, outside
-        replace_with_link(piece_path(root, pc), out / name)
+    link_pieces_outside(root, old, out)
     settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = snapshot(out)
 
@@ -213,10 +218,7 @@ def test_links_in_place_of_the_newest_saves_pieces_make_it_corrupt_not_outside_b
     out = outside_dir(tmp_path)
     st, old, new = two_saves(root)
     st.close()
-    for name in ("model", "optimizer"):
-        pc = only_piece(new, name)
-        (out / name).write_bytes(piece_path(root, pc).read_bytes())
-        replace_with_link(piece_path(root, pc), out / name)
+    link_pieces_outside(root, new, out)
     settle_background_writes()  # a version-3 save's next intent lands after the save returned
     before = snapshot(out)
 

@@ -7,7 +7,7 @@ in ``ckptstore.ops`` (extra ``runs``).
 
 from .backends.base import Backend, Capabilities, ObjectInfo
 from .backends.schemes import register_scheme
-from .core.pieces import PieceTiming
+from .core.intents import PieceTiming
 from .core.reader import VerifyReport
 from .core.record_auth import RecordAuth, UnauthenticatedWarning, keyring_from_env, keyring_from_file
 from .core.writer import StagedSave

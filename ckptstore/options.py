@@ -1,7 +1,7 @@
 """The one options object every entry point takes, and the one table of refused combinations.
 
 :class:`OpenOptions` is how a store behaves, nested by concern
-(:class:`TierOptions`, :class:`AuthOptions`, :class:`~ckptstore.core.pieces.PieceTiming`);
+(:class:`TierOptions`, :class:`AuthOptions`, :class:`~ckptstore.core.intents.PieceTiming`);
 :meth:`CheckpointStore.open <ckptstore.CheckpointStore.open>`,
 :func:`ckptstore.distributed.open_distributed` and
 :meth:`Checkpointer.open <ckptstore.torch.Checkpointer.open>` take the same
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from .core.pieces import PieceTiming
+from .core.intents import PieceTiming
 from .errors import InvalidInputError
 from .protocol.auth import AuthPolicy, Keyring
 from .protocol.layout import DEFAULT_VERSION

@@ -21,7 +21,8 @@ from typing import Any, Protocol, TypeVar
 from .core.collector import GcReport
 from .core.fencing import AttemptView
 from .core.one_tier import OneTier
-from .core.pieces import PieceDeadline, PieceWriter
+from .core.piece_deadlines import PieceDeadline
+from .core.pieces import PieceWriter
 from .core.reader import Reader, VerifyReport
 from .core.writer import StagedSave, WriterContext
 from .options import TierOptions

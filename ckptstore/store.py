@@ -22,9 +22,11 @@ from .core.bounded_io import RunIO
 from .core.collector import GcReport, Retention, collect
 from .core.fencing import AttemptLog
 from .core.hashing import CHUNK
+from .core.intents import PieceTiming
 from .core.ledger import Ledger
 from .core.one_tier import OneTier
-from .core.pieces import PieceDeadline, PieceTiming, pieces_lacking
+from .core.piece_deadlines import PieceDeadline
+from .core.piece_reads import pieces_lacking
 from .core.preflight import check_can_write, check_metadata, check_open_args
 from .core.reader import VerifyReport
 from .core.record_auth import RecordAuth

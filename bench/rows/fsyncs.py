@@ -40,7 +40,7 @@ import ckptstore  # noqa: E402
 from bench import torchstate as ts  # noqa: E402
 from bench.common import IDENTITY, Config, Measure, Row, human, interleave, parse_size, rm, scratch, sync  # noqa: E402
 from ckptstore import CheckpointStore, OpenOptions  # noqa: E402
-from ckptstore.core.pieces import PieceTiming  # noqa: E402
+from ckptstore.core.intents import PieceTiming  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
 
 PKG = os.path.dirname(os.path.abspath(ckptstore.__file__)) + os.sep

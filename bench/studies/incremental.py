@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ckptstore import CheckpointStore, OpenOptions
-from ckptstore.core.pieces import PieceTiming
+from ckptstore.core.intents import PieceTiming
 from ckptstore.torch import Checkpointer
 
 IDENT = {"data_digest": "bench-21", "code_digest": "bench-21"}

@@ -39,7 +39,10 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     core.commit_names         which commit records a run has, newest first
     core.selection_limits     what selection may conclude without reading
     core.piece_evidence       when a known piece may be reused unread (the re-hash rule), the pieces listing
-    core.pieces               pieces addressed by content, save intents
+    core.intents              save intents and the timing every writer and gc agree on
+    core.piece_deadlines      what a rank's part must satisfy when the coordinator commits it
+    core.piece_reads          pieced components checked and read, what another store lacks
+    core.pieces               pieces addressed by content, written: the piece writer, a save's pieces
     core.record_pack          a cache of a run's commit-record bytes in one object (S3)
     core.catalog              the candidate walk: select, list, verify
     core.writer               stage and publish a save

@@ -52,8 +52,9 @@ from .binding import version_mismatch
 from .bounded_io import RunIO
 from .commit_names import CommitKeys
 from .fencing import AttemptLog, AttemptView
+from .intents import list_intents
 from .piece_evidence import list_pieces
-from .pieces import check_pieces, list_intents
+from .piece_reads import check_pieces
 from .record_auth import RecordAuth, sidecars_prefix
 from .selection_limits import NameSkips, gave_up
 

@@ -20,7 +20,7 @@ from .bounded_io import RunIO
 from .catalog import Catalog, Scan, commit_info, uncommitted_info
 from .commit_names import CommitKeys
 from .fencing import AttemptView
-from .pieces import IntentCache, PieceTiming, list_intents
+from .intents import IntentCache, PieceTiming, list_intents
 
 #: Rounds of one piece sweep at most (each lists the save intents again, §9.5).
 MAX_SWEEP_ROUNDS = 100

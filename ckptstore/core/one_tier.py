@@ -22,8 +22,10 @@ from .bounded_io import RunIO
 from .catalog import Catalog
 from .collector import GcReport
 from .fencing import AttemptLog, AttemptView
+from .intents import PieceTiming
 from .ledger import Ledger
-from .pieces import PieceDeadline, PieceTiming, PieceWriter
+from .piece_deadlines import PieceDeadline
+from .pieces import PieceWriter
 from .reader import Reader, VerifyReport
 from .record_auth import RecordAuth
 from .resume_point import resume_point

@@ -1,10 +1,14 @@
-"""Pieces addressed by content, carried out (PROTOCOL.md §9): writing a
-component as pieces that skip what the run already holds, the save intent
-that protects reused pieces from gc, checking and reading pieced components,
-and which pieces of a save another store lacks (for replication).
+"""Pieces addressed by content, written (PROTOCOL.md §9): one writer's view
+of the run's pieces (:class:`PieceWriter`: what it knows, its save intent,
+its anchor, what it learned of what changes) and one save's pieces side
+(:class:`SavePieces`: a component written as pieces that skip what the run
+already holds, and the checks before its commit).
 
-The cut points and the sweep rule are pure (:mod:`ckptstore.protocol.pieces`);
-this module does the I/O.
+Beside it: the intents and the timing (:mod:`.intents`), the deadlines a
+coordinator checks (:mod:`.piece_deadlines`), checking and reading pieced
+components (:mod:`.piece_reads`), the evidence a known piece is intact
+(:mod:`.piece_evidence`). The cut points and the sweep rule are pure
+(:mod:`ckptstore.protocol.pieces`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,32 +25,31 @@ from typing import Any
 
 import blake3
 
-from ..backends.base import Backend, PendingPut
-from ..errors import CkptStoreError, CorruptionError, LimitReachedError, NotFoundError, SaveAbortedError
+from ..backends.base import PendingPut
+from ..errors import CkptStoreError, NotFoundError, SaveAbortedError
 from ..protocol import CommitRecord, ComponentEntry, parse_save_id
 from ..protocol.layout import (
     STEP_WIDTH,
-    intents_prefix,
     new_intent_key,
-    parse_intent_key,
     parse_piece_key,
     piece_key,
     pieces_prefix,
 )
-from ..protocol.pieces import ListedPiece, cut_planned
-from ..protocol.records import MAX_INTENT_RECORD, IntentRecord, PieceRef, pieces_digest
+from ..protocol.pieces import cut_planned
+from ..protocol.records import IntentRecord, PieceRef, pieces_digest
 from ..protocol.selection import SkipReason
 from .bounded_io import RunIO
-from .hashing import CHUNK, Scatter, iter_chunks
-from .piece_evidence import MAX_HOLDER_LISTINGS, Evidence, PieceEvidence, list_holders
+from .hashing import iter_chunks
+from .intents import RENEW_SHARE, Intent, PieceTiming
+from .piece_deadlines import PieceDeadline, Publication
+from .piece_evidence import Evidence, PieceEvidence
+from .piece_reads import check_present
 
 Problems = list[tuple[SkipReason, str]]
 #: Pieces uploaded at the same time by one ``put``.
 UPLOAD_CONCURRENCY = 4
 #: Pieces written before their fsyncs are issued together (``Backend.settle``).
 SETTLE_BATCH = 32
-#: An intent older than this share of its lifetime is renewed before a save relies on it.
-RENEW_SHARE = 0.5
 #: Damage reports a writer keeps (``PieceWriter.damaged``), newest last.
 DAMAGE_REPORTS = 100
 #: Every this many saves a writer cuts every buffer alone again (*probes*, §9.2 "Packing what
@@ -61,104 +64,6 @@ class DamagedPieceWarning(UserWarning):
     the piece again under its own ID and is restorable; the old copy is left
     for gc (no commit the writer makes names it again)."""
 
-
-@dataclass(frozen=True)
-class PieceTiming:
-    """The two times every writer and gc of a run must agree on (§9.4).
-
-    ``window``: a gc deletes pieces only within ``window / 2`` of listing the
-    intents; a writer relies on its intent only ``window`` after creating it.
-    ``intent_ttl``: how long an intent lives; gc's grace period must be at
-    least this long (gc refuses to sweep otherwise).
-    """
-
-    window: float = 2.0
-    intent_ttl: float = 3600.0
-    #: the wall clock (epoch seconds) intents are dated and judged by, and gc
-    #: ages pieces by; every writer and gc of a run must agree on it to well
-    #: within ``window`` (§9.5 "Assumptions"). Tests inject one to decide races
-    #: without waiting.
-    clock: Callable[[], float] = time.time
-    #: how a writer waits for its intent to be ``window`` old (§9.4 step 2); tests inject one to
-    #: see which saves wait, without waiting
-    sleep: Callable[[float], None] = time.sleep
-
-
-# --------------------------------------------------------------------- intents
-@dataclass
-class Intent:
-    """The writer's current save intent: what it names and when it landed."""
-
-    key: str
-    record: IntentRecord
-    #: ``time.monotonic()`` when its create returned (it was visible by then)
-    landed: float
-
-    @property
-    def names(self) -> frozenset[tuple[str, str]]:
-        return frozenset(self.record.pieces)
-
-
-#: Save intents one gc reads at most, and their listed bytes in all (§9.5 step 4): past
-#: either, the sweep is refused with the reason (a writer keeps one or two intents; a
-#: 1 TB model's intent names ~130,000 pieces in ~18 MiB).
-MAX_INTENTS = 4096
-MAX_INTENT_BYTES = 64 << 20
-
-
-@dataclass
-class IntentCache:
-    """The intents one gc read, by key, each with the (size, mtime, version) its
-    listing showed: a later round of the same sweep reads an intent again only
-    when its listing changed (§9.5 step 4)."""
-
-    items: dict[str, tuple[tuple[int, float, str], IntentRecord]] = field(default_factory=dict)
-    #: intent bytes read by this cache's owner in all
-    bytes_read: int = 0
-    #: intents read (not served from the cache)
-    reads: int = 0
-
-
-def list_intents(io: RunIO, cache: IntentCache | None = None, *, max_count: int = MAX_INTENTS,
-                 max_bytes: int = MAX_INTENT_BYTES) -> tuple[dict[str, IntentRecord], list[str]]:
-    """Every intent record of the run (key -> record) and the keys that could
-    not be read. With ``cache``, an intent whose listing shows the same size
-    time and version as when it was read is not read again. More than ``max_count``
-    intents, or more than ``max_bytes`` listed bytes of them: :class:`LimitReachedError`
-    (nothing is read past the listing)."""
-    cache = cache if cache is not None else IntentCache()
-    good: dict[str, IntentRecord] = {}
-    bad: list[str] = []
-    listed = [o for o in io.list(intents_prefix(io.run_id), flat=True) if parse_intent_key(io.run_id, o.key) is not None]
-    total = sum(o.size for o in listed)
-    if len(listed) > max_count or total > max_bytes:
-        raise LimitReachedError(
-            f"{intents_prefix(io.run_id)}: {len(listed)} save intent(s) of {total} bytes, more than gc reads "
-            f"({max_count} intents, {max_bytes} bytes); a writer keeps one or two: remove the ones no live "
-            "writer made (ckptstore ls shows the run's attempts)")
-    fresh = [o for o in listed if (c := cache.items.get(o.key)) is None or c[0] != (o.size, o.mtime, o.version)]
-    for o in listed:
-        c = cache.items.get(o.key)
-        if c is not None and c[0] == (o.size, o.mtime, o.version):
-            good[o.key] = c[1]
-    datas = io.get_many_bounded([o.key for o in fresh], MAX_INTENT_RECORD, [o.size for o in fresh]) if fresh else []
-    for o, data in zip(fresh, datas, strict=True):
-        if data is None:
-            continue  # removed since the listing: it protects nothing any more
-        cache.reads += 1
-        cache.bytes_read += len(data)
-        try:
-            rec = IntentRecord.decode(data, io.where(o.key), run_id=io.run_id,
-                                      attempt=parse_intent_key(io.run_id, o.key))
-        except CorruptionError as exc:
-            bad.append(f"{o.key}: {str(exc)[:200]}")
-            continue
-        good[o.key] = rec
-        cache.items[o.key] = ((o.size, o.mtime, o.version), rec)
-    gone = set(cache.items) - {o.key for o in listed}
-    for key in gone:
-        del cache.items[key]
-    return good, bad
 
 
 class PieceWriter:
@@ -648,213 +553,3 @@ class SavePieces:
                 io.backend.delete(piece_key(io.run_id, self.save_id, digest))
             except Exception:  # noqa: BLE001 - best effort
                 pass
-
-
-@dataclass(frozen=True)
-class Publication:
-    """What :meth:`PieceWriter.publishing` tells a publication: whether its own
-    save may rely on its anchor, and the (step, attempt) of the writer's anchor
-    while it holds (None: it does not)."""
-
-    anchored: bool
-    anchor_key: tuple[int, int] | None
-
-
-@dataclass(frozen=True)
-class PieceDeadline:
-    """What one process's part of a save must still satisfy when another
-    process (the coordinator) publishes it (§9.4): the save began at
-    ``started_at`` and the intent it relies on (if any) expires at
-    ``intent_expires_at`` (epoch seconds). ``anchor``: the part relied, without
-    waiting for its intent, on the pieces of the commit (step, attempt) it
-    learned last (§9.4 "The anchor"); ``intent_landed_at``: when its intent
-    naming them landed (epoch seconds), for the coordinator to wait on when
-    that commit is no longer the newest."""
-
-    started_at: float
-    intent_expires_at: float | None
-    anchor: tuple[int, int] | None = None
-    intent_landed_at: float | None = None
-
-    def to_json(self) -> dict[str, object]:
-        return {"started_at": self.started_at, "intent_expires_at": self.intent_expires_at,
-                "anchor": list(self.anchor) if self.anchor is not None else None,
-                "intent_landed_at": self.intent_landed_at}
-
-    @classmethod
-    def from_json(cls, d: object) -> PieceDeadline:
-        """Strict: a malformed report is a :class:`SaveAbortedError` (nothing is published on it)."""
-
-        def time_or_none(v: object) -> float | None:
-            assert v is None or (isinstance(v, int | float) and not isinstance(v, bool))
-            return None if v is None else float(v)
-
-        try:
-            assert isinstance(d, dict) and set(d) == {"started_at", "intent_expires_at", "anchor", "intent_landed_at"}
-            start = time_or_none(d["started_at"])
-            assert start is not None
-            a = d["anchor"]
-            assert a is None or (isinstance(a, list) and len(a) == 2
-                                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in a))
-            return cls(start, time_or_none(d["intent_expires_at"]), None if a is None else (a[0], a[1]),
-                       time_or_none(d["intent_landed_at"]))
-        except AssertionError:
-            raise SaveAbortedError(f"a rank's piece deadline report is malformed: {str(d)[:200]}; "
-                                   "nothing was published") from None
-
-
-def check_deadlines(deadlines: Mapping[int, PieceDeadline], timing: PieceTiming, save_id: str) -> None:
-    """§9.4 steps 1-2 at a coordinator's publish, for every rank's reported
-    part: no part began more than ``intent_ttl - window`` ago, and no intent a
-    part relies on expires within the window. Otherwise :class:`SaveAbortedError`."""
-    now = timing.clock()
-    for rank, d in sorted(deadlines.items()):
-        if now - d.started_at > timing.intent_ttl - timing.window:
-            raise SaveAbortedError(f"save {save_id}: rank {rank}'s part took longer than its pieces are protected "
-                                   f"({timing.intent_ttl:.0f}s less the {timing.window:.0f}s window); "
-                                   "nothing was published")
-        if d.intent_expires_at is not None and now > d.intent_expires_at - timing.window:
-            raise SaveAbortedError(f"save {save_id}: the save intent rank {rank} relies on expired; nothing was published")
-
-
-def check_rank_anchors(deadlines: Mapping[int, PieceDeadline], anchor: tuple[int, int] | None, timing: PieceTiming,
-                       save_id: str) -> None:
-    """At the coordinator's commit, inside its :meth:`PieceWriter.publishing`
-    (``anchor``: its anchor's (step, attempt) while it holds): a rank's part
-    that relied on its anchor without waiting is protected when that anchor
-    is the coordinator's, the newest commit of the attempt (every gc keeps
-    it). Otherwise the part relied on its intent after all: the commit waits
-    until that intent is ``window`` old by this clock, and refuses one that
-    never landed or expires within the window (:class:`SaveAbortedError`)."""
-    late = {r: d for r, d in sorted(deadlines.items()) if d.anchor is not None and d.anchor != anchor}
-    for r, d in late.items():
-        if d.intent_landed_at is None or d.intent_expires_at is None:
-            raise SaveAbortedError(f"save {save_id}: rank {r}'s part relied on the pieces of step {d.anchor[0]}, "  # type: ignore[index]
-                                   "which is no longer the newest commit, and no save intent names them; "
-                                   "nothing was published")
-    if late:
-        wait = max(d.intent_landed_at or 0.0 for d in late.values()) + timing.window - timing.clock()
-        if wait > 0:
-            timing.sleep(wait)
-        now = timing.clock()
-        for r, d in late.items():
-            if d.intent_expires_at is not None and now > d.intent_expires_at - timing.window:
-                raise SaveAbortedError(f"save {save_id}: the save intent rank {r} relies on expired; nothing was published")
-
-
-def check_present(io: RunIO, components: Mapping[str, ComponentEntry], save_id: str) -> None:
-    """§9.4 step 3: every piece ``components`` name is there with its size, else :class:`SaveAbortedError`."""
-    problems = check_pieces(io, components.values(), None, deep=False)
-    if problems:
-        raise SaveAbortedError(
-            f"save {save_id}: {problems[0][1]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-            + "; nothing was published"
-        )
-
-
-# ----------------------------------------------------------- checking, reading
-def check_pieces(
-    io: RunIO, components: Iterable[ComponentEntry], listed: Mapping[tuple[str, str], ListedPiece] | None,
-    deep: bool, memo: set[tuple[str, str]] | None = None,
-) -> Problems:
-    """Every piece of the pieced ``components`` present with its size (from
-    ``listed``, else one listing per holder); with ``deep`` each piece hashed,
-    once per operation (``memo``: pieces already hashed and found good)."""
-    comps = [c for c in components if c.pieces is not None]
-    if not comps:
-        return []
-    need: dict[tuple[str, str], int] = {}
-    for c in comps:
-        for p in c.pieces or ():
-            need[(p.holder, p.digest)] = p.size
-    # the scan's listing is looked up, never copied: a listing of the run's pieces is checked once per
-    # save, and a copy per save would make a listing of H saves cost H x the run's pieces
-    sizes = listed if listed is not None else list_holders(io, {h for h, _ in need})
-    problems: Problems = []
-    for c in sorted(comps, key=lambda c: c.name):
-        for p in c.pieces or ():
-            hd = (p.holder, p.digest)
-            found = sizes.get(hd)
-            got = None if found is None else found.size
-            if got is None:
-                problems.append((SkipReason.MISSING_COMPONENT, f"component {c.name!r}: piece {p.digest[:16]} of save "
-                                 f"{p.holder} is missing"))
-            elif got != p.size:
-                problems.append((SkipReason.SIZE_MISMATCH, f"component {c.name!r}: piece {p.digest[:16]} has {got} "
-                                 f"bytes, record says {p.size}"))
-    if problems or not deep:
-        return problems
-    memo = memo if memo is not None else set()
-    todo = [(hd, size) for hd, size in sorted(need.items()) if hd not in memo]
-    hashed = io.hash_objects([(piece_key(io.run_id, *hd), size) for hd, size in todo])
-    for (hd, size), (_, result) in zip(todo, hashed, strict=True):
-        if result is None:
-            problems.append((SkipReason.MISSING_COMPONENT, f"piece {hd[1][:16]} of save {hd[0]} vanished while hashing"))
-            continue
-        seen, digest = result
-        if seen != size or digest != hd[1]:
-            problems.append((SkipReason.HASH_MISMATCH, f"piece {hd[1][:16]} of save {hd[0]}: BLAKE3 does not match"))
-        else:
-            memo.add(hd)
-    return problems
-
-
-def _piece_entry(p: PieceRef) -> ComponentEntry:
-    return ComponentEntry(p.digest, p.size, p.digest)
-
-
-def iter_pieced(io: RunIO, comp: ComponentEntry, label: str, chunk: int = CHUNK) -> Iterator[bytes]:
-    """A pieced component's bytes, each piece verified before its last chunk is handed out."""
-    for p in comp.pieces or ():
-        yield from io.verified_chunks(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p),
-                                      f"{label}, piece {p.digest[:16]}", chunk)
-
-
-def read_pieced_into(io: RunIO, comp: ComponentEntry, label: str, out: memoryview | Scatter) -> None:
-    """Fill ``out`` (exactly the component's size: one view or a scatter of
-    many) piece by piece, each verified; the next piece is read while the
-    last one is hashed."""
-    io.read_verified_parts_into(
-        [(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p), f"{label}, piece {p.digest[:16]}")
-         for p in comp.pieces or ()], out)
-
-
-def read_pieced_range(io: RunIO, comp: ComponentEntry, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of a pieced component, not verified (like ``read_range``)."""
-    parts: list[bytes] = []
-    off = 0
-    for p in comp.pieces or ():
-        lo, hi = max(start, off), min(end, off + p.size)
-        if lo < hi:
-            key = piece_key(io.run_id, p.holder, p.digest)
-            parts.append(io.retry.call(partial(io.backend.get_range, key, lo - off, hi - off)))
-        off += p.size
-    return b"".join(parts)
-
-
-# ----------------------------------------------------------------- replication
-def pieces_lacking(ref_record: CommitRecord, target: Backend, run_id: str | None = None) -> list[PieceRef]:
-    """The pieces of a save that ``target`` (another store's backend, e.g. a
-    durable tier) does not hold with their recorded size, once each, in the
-    record's order: replication uploads only these (and the components that
-    are not pieced, and the records). One listing per holder on ``target``
-    (one of its whole ``pieces/`` past ``MAX_HOLDER_LISTINGS`` holders)."""
-    rid = run_id or ref_record.run_id
-    have: dict[tuple[str, str], int] = {}
-    holders = {p.holder for c in ref_record.components.values() for p in c.pieces or ()}
-    prefixes = [pieces_prefix(rid) + f"{h}/" for h in sorted(holders)] if len(holders) <= MAX_HOLDER_LISTINGS \
-        else [pieces_prefix(rid)]
-    for prefix in prefixes:
-        for o in target.list(prefix):
-            hd = parse_piece_key(rid, o.key)
-            if hd is not None and hd[0] in holders:
-                have[hd] = o.size
-    out: list[PieceRef] = []
-    seen: set[tuple[str, str]] = set()
-    for c in ref_record.components.values():
-        for p in c.pieces or ():
-            hd = (p.holder, p.digest)
-            if hd not in seen and have.get(hd) != p.size:
-                out.append(p)
-            seen.add(hd)
-    return out

@@ -14,7 +14,7 @@ from ..protocol import ComponentEntry, component_key
 from ..protocol.selection import SaveRef, SkipReason, describe_superseder, superseded_by
 from .catalog import Catalog
 from .hashing import CHUNK, Scatter
-from .pieces import iter_pieced, read_pieced_into, read_pieced_range
+from .piece_reads import iter_pieced, read_pieced_into, read_pieced_range
 
 
 @dataclass

@@ -44,17 +44,10 @@ from ..util.redact import redact_text
 from .bounded_io import RunIO
 from .fencing import AttemptLog
 from .hashing import check_data
-from .pieces import (
-    SETTLE_BATCH,
-    PieceDeadline,
-    PieceTiming,
-    PieceWriter,
-    Publication,
-    SavePieces,
-    check_pieces,
-    check_present,
-    check_rank_anchors,
-)
+from .intents import PieceTiming
+from .piece_deadlines import PieceDeadline, Publication, check_rank_anchors
+from .piece_reads import check_pieces, check_present
+from .pieces import SETTLE_BATCH, PieceWriter, SavePieces
 from .record_auth import RecordAuth
 
 #: components :meth:`StagedSave.put_many` writes at the same time

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import RecordAuth
 from .. import protocol as P
-from ..core.pieces import PieceDeadline, check_deadlines
+from ..core.piece_deadlines import PieceDeadline, check_deadlines
 from ..errors import (
     CkptStoreError,
     CommitUnknownError,

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 
 from ..core.bounded_io import RunIO
+from ..core.intents import RENEW_SHARE, PieceTiming
 from ..core.piece_evidence import MAX_HOLDER_LISTINGS, list_holders
-from ..core.pieces import RENEW_SHARE, PieceTiming
 from ..errors import SaveAbortedError
 from ..protocol import CommitRecord
 from ..protocol.layout import new_intent_key

@@ -22,7 +22,8 @@ from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, Scan
 from ..core.collector import GcReport, collect
 from ..core.fencing import AttemptLog, AttemptView
-from ..core.pieces import PieceTiming, PieceWriter
+from ..core.intents import PieceTiming
+from ..core.pieces import PieceWriter
 from ..core.record_auth import RecordAuth
 from ..core.writer import WriterContext
 from ..errors import CkptStoreError, CorruptionError, NotFoundError, StoreUnavailableError

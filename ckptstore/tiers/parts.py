@@ -39,8 +39,9 @@ from ..core.bounded_io import RunIO
 from ..core.catalog import Catalog, part_names
 from ..core.commit_names import CommitKeys
 from ..core.fencing import AttemptLog
+from ..core.intents import PieceTiming
 from ..core.piece_evidence import list_holders
-from ..core.pieces import PieceTiming, check_pieces
+from ..core.piece_reads import check_pieces
 from ..core.record_auth import RecordAuth
 from ..errors import CkptStoreError, TransientError
 from ..protocol import CommitRecord, save_prefix

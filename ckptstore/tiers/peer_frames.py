@@ -29,7 +29,8 @@ import blake3
 
 from ..backends.base import PendingPut
 from ..core.catalog import part_names
-from ..core.pieces import SETTLE_BATCH, check_present
+from ..core.piece_reads import check_present
+from ..core.pieces import SETTLE_BATCH
 from ..errors import CkptStoreError, CorruptionError
 from ..protocol import CommitRecord, ComponentEntry, component_key
 from ..protocol.layout import piece_key

@@ -24,7 +24,8 @@ from typing import Any
 
 from ..core.bounded_io import RunIO
 from ..core.fencing import AttemptLog
-from ..core.pieces import PieceTiming, check_pieces
+from ..core.intents import PieceTiming
+from ..core.piece_reads import check_pieces
 from ..core.writer import WriterContext, commit_record
 from ..errors import (
     CkptStoreError,

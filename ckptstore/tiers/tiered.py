@@ -33,7 +33,8 @@ import blake3
 from ..core.collector import GcReport
 from ..core.fencing import AttemptView
 from ..core.one_tier import OneTier
-from ..core.pieces import PieceDeadline, PieceWriter
+from ..core.piece_deadlines import PieceDeadline
+from ..core.pieces import PieceWriter
 from ..core.reader import Reader, VerifyReport
 from ..core.writer import StagedSave, WriterContext, publish, publish_part, seal_record
 from ..errors import (

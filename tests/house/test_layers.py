@@ -394,7 +394,7 @@ ADDON_MAY_IMPORT_PACKAGE = ("tiers", "core")
 #: protocol steps behind the placement interface)
 ADDON_EXCEPTIONS = {
     # the coordinator runs PROTOCOL.md §9.4's deadline check for every rank's inventory
-    ("distributed.coordinator", "core.pieces"),
+    ("distributed.coordinator", "core.piece_deadlines"),
 }
 
 

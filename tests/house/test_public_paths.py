@@ -167,7 +167,7 @@ def test_the_types_the_entry_points_take_are_exported() -> None:
         if c.__module__.split(".")[0] == "ckptstore" and id(c) not in exported
     )
     assert not missing, missing
-    assert ckptstore.PieceTiming is importlib.import_module("ckptstore.core.pieces").PieceTiming
+    assert ckptstore.PieceTiming is importlib.import_module("ckptstore.core.intents").PieceTiming
     assert ckptstore.distributed.RankStore is importlib.import_module("ckptstore.distributed.ranked").RankStore
 
 

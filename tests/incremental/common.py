@@ -7,7 +7,7 @@ import time
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
-from ckptstore.core.pieces import PieceTiming
+from ckptstore.core.intents import PieceTiming
 from ckptstore.protocol.layout import component_key, piece_key
 from ckptstore.protocol.pieces import PACK_BYTES, PIECE_BYTES
 from ckptstore.protocol.selection import SaveRef

@@ -16,7 +16,7 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.core.pieces import PieceTiming
+from ckptstore.core.intents import PieceTiming
 from ckptstore.protocol.layout import intents_prefix, pieces_prefix
 from tests.incremental.common import FROZEN, IDENT, LONG, RUN, Clock, head, save
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckptstore.core.pieces import PieceDeadline, PieceTiming, check_deadlines
+from ckptstore.core.intents import PieceTiming
+from ckptstore.core.piece_deadlines import PieceDeadline, check_deadlines
 from ckptstore.errors import SaveAbortedError
 
 #: the coordinator's clock, stopped: each case is decided by the numbers, not by how fast it runs

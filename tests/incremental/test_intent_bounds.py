@@ -19,7 +19,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.cli import main
 from ckptstore.core.collector import MAX_IDLE_ROUNDS, GcReport
-from ckptstore.core.pieces import MAX_INTENT_BYTES, PieceTiming
+from ckptstore.core.intents import MAX_INTENT_BYTES, PieceTiming
 from ckptstore.protocol.records import IntentRecord
 from tests.incremental.common import IDENT, LONG, RUN, Clock, gc_clock_past, long_timing, save
 

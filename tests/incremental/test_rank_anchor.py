@@ -36,13 +36,14 @@ def test_ranks_saving_in_a_row_never_wait_for_the_window(tmp_path: Path) -> None
 
 # ------------------------------------------------------- the coordinator's check, pure
 def _deadline(anchor: tuple[int, int] | None, landed: float | None = 1000.0, expires: float | None = 5000.0) -> Any:
-    from ckptstore.core.pieces import PieceDeadline
+    from ckptstore.core.piece_deadlines import PieceDeadline
 
     return PieceDeadline(900.0, expires, anchor=anchor, intent_landed_at=landed)
 
 
 def test_a_part_anchored_on_the_coordinators_anchor_needs_no_wait() -> None:
-    from ckptstore.core.pieces import PieceTiming, check_rank_anchors
+    from ckptstore.core.intents import PieceTiming
+    from ckptstore.core.piece_deadlines import check_rank_anchors
 
     waits: list[float] = []
     t = PieceTiming(window=600.0, intent_ttl=LONG, clock=lambda: 1001.0, sleep=waits.append)
@@ -53,7 +54,8 @@ def test_a_part_anchored_on_the_coordinators_anchor_needs_no_wait() -> None:
 def test_a_part_anchored_on_a_commit_that_is_no_longer_the_newest_waits_for_its_intent() -> None:
     import pytest
 
-    from ckptstore.core.pieces import PieceTiming, check_rank_anchors
+    from ckptstore.core.intents import PieceTiming
+    from ckptstore.core.piece_deadlines import check_rank_anchors
     from ckptstore.errors import SaveAbortedError
 
     waits: list[float] = []
@@ -71,7 +73,7 @@ def test_a_part_anchored_on_a_commit_that_is_no_longer_the_newest_waits_for_its_
 def test_a_deadline_report_is_decoded_strictly() -> None:
     import pytest
 
-    from ckptstore.core.pieces import PieceDeadline
+    from ckptstore.core.piece_deadlines import PieceDeadline
     from ckptstore.errors import SaveAbortedError
 
     d = _deadline((4, 1))

@@ -13,8 +13,8 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.memory import MemoryBackend
+from ckptstore.core.intents import PieceTiming
 from ckptstore.core.piece_evidence import list_pieces
-from ckptstore.core.pieces import PieceTiming
 from ckptstore.protocol import CommitRecord, ComponentEntry
 from ckptstore.protocol.records import PieceRef, pieces_digest
 from ckptstore.tiers.durable_intent import DurableIntent

@@ -282,7 +282,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "rank-anchor-unchecked",
         "a rank's anchor that is no longer the coordinator's waits for that rank's intent (PROTOCOL §9.4)",
-        "ckptstore/core/pieces.py",
+        "ckptstore/core/piece_deadlines.py",
         (("    late = {r: d for r, d in sorted(deadlines.items()) if d.anchor is not None and d.anchor != anchor}\n",
           "    late: dict[int, PieceDeadline] = {}\n"),),
         ("tests/incremental/test_rank_anchor.py::"

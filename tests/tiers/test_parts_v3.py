@@ -21,7 +21,7 @@ from ckptstore import protocol as P
 from ckptstore.backends.base import Backend
 from ckptstore.backends.faults import FaultyBackend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.core.pieces import PieceTiming
+from ckptstore.core.intents import PieceTiming
 from ckptstore.core.record_auth import RecordAuth
 from ckptstore.errors import NotFoundError, SaveAbortedError
 from ckptstore.protocol.selection import SaveRef

@@ -24,7 +24,7 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.faults import FaultyBackend, transient
 from ckptstore.backends.local import LocalBackend
 from ckptstore.core.collector import GcReport
-from ckptstore.core.pieces import MAX_INTENT_BYTES
+from ckptstore.core.intents import MAX_INTENT_BYTES
 from ckptstore.errors import LocalTierRefusedError
 from ckptstore.protocol import AttemptRecord, attempt_key, component_key
 from ckptstore.protocol.layout import intents_prefix, pieces_prefix

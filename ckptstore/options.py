@@ -108,9 +108,8 @@ class OpenOptions:
     #: and leaves the digests to the restore, which always verifies
     resume_verify: Literal["deep", "cheap"] = "deep"
     #: of a run this open creates (default 3: saves stored as pieces addressed by content,
-    #: PROTOCOL.md §9, so what did not change is not written again; 2 where ``early_replication``
-    #: is asked for, :func:`new_run_version`; 2 and 1 stay readable by releases that know only
-    #: them). An existing run keeps its own
+    #: PROTOCOL.md §9, so what did not change is not written again, :func:`new_run_version`;
+    #: 2 and 1 stay readable by releases that know only them). An existing run keeps its own
     protocol_version: int | None = None
     #: version 3: the window and intent lifetime every writer and gc of the run must share
     pieces: PieceTiming = field(default_factory=PieceTiming)
@@ -128,22 +127,17 @@ class OpenOptions:
 def new_run_version(o: OpenOptions) -> int:
     """The protocol version of a run this open creates (an existing run keeps
     its own): ``protocol_version`` when given; else 3 (pieces addressed by
-    content, PROTOCOL.md §9) — except 2 when the options ask for what only
-    whole components do (``TierOptions(early_replication=True)``: its uploads
-    copy each component as its local write returns; a version-3 run refuses
-    it, below). The one place this default is decided."""
+    content, PROTOCOL.md §9). The one place this default is decided."""
     if o.protocol_version is not None:
         return o.protocol_version
-    return 2 if o.tiers is not None and o.tiers.early_replication else DEFAULT_VERSION
+    return DEFAULT_VERSION
 
 
-def check_combination(o: OpenOptions, *, pieces: bool, joined: bool = False) -> None:
+def check_combination(o: OpenOptions, *, joined: bool = False) -> None:
     """The one table of option combinations a store refuses at open, each with
-    its reason and fix (``docs/combinations.md``). Run before anything is
-    written, with ``pieces`` the requested version, and again once the run's
-    own version is known (``pieces``: the run stores pieces, protocol version 3).
-    ``joined``: the store joins a coordinator's attempt."""
-    pieces = pieces or o.protocol_version == 3
+    its reason and fix (``docs/combinations.md``), run before anything is
+    written. None depends on the run's protocol version: every option works on
+    versions 2 and 3. ``joined``: the store joins a coordinator's attempt."""
     t = o.tiers
     if t is None:
         return
@@ -159,17 +153,11 @@ def check_combination(o: OpenOptions, *, pieces: bool, joined: bool = False) -> 
         (t.rank is not None and t.early_replication,
          "early_replication is for one process; a rank of many replicates its part "
          "after the local commit (open the job without early_replication)"),
-        # early uploads copy whole components as they are written; a version-3 save is pieces the
-        # replicator copies (only those the durable tier lacks) after the local commit
         (t.peer_copies is not None and t.peer_copies < 0, "TierOptions peer_copies must be >= 0"),
         # a peer copy is a rank's part sent to another node's rank: there is no part without ranks
         (t.peer_copies and t.rank is None and not joined,
          "peer_copies is for many ranks (ckptstore.distributed.open_distributed); one process has no peers "
          "(open without peer_copies)"),
-        (t.early_replication and pieces,
-         "early_replication is not available on a protocol version 3 run (pieces): "
-         "its replication already copies only the pieces the durable tier lacks; open "
-         "without early_replication, or the run at protocol version 2"),
     ]
     for hit, why in refused:
         if hit:

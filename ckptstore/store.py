@@ -131,7 +131,7 @@ class CheckpointStore:
         self.resumed_from: SaveRef | None = None
         requested = normalize_identity(identity) if identity is not None else None
         version = layout_of(protocol_version) if protocol_version is not None else None
-        check_combination(o, pieces=False, joined=join_attempt is not None)  # before anything is written
+        check_combination(o, joined=join_attempt is not None)  # before anything is written
         if self.mode == "w":
             check_can_write(backend, requested, join_attempt, single_writer)
             assert requested is not None
@@ -145,8 +145,6 @@ class CheckpointStore:
         self._catalog, self._reader = self._durable.catalog, self._durable.reader
         self._retention = Retention(self._catalog)
         self._catalog.writes_pack = self.mode == "w"
-        # the run's own version decides (an existing run)
-        check_combination(o, pieces=self._io.layout.pieces, joined=join_attempt is not None)
         #: where the saves live (``ckptstore.placement``): every tier-dependent step is delegated to it
         self._place: Placement = open_placement(self._durable, o.tiers, o.retry)
         if self.mode == "w":

@@ -210,7 +210,7 @@ def commit_durable(durable: RunIO, attempts: AttemptLog, ref: SaveRef, *, attemp
 def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
               on_component: Callable[[str], None] | None = None, *, timing: PieceTiming,
               intent: DurableIntent | None = None,
-              early: Mapping[str, tuple[ComponentEntry, Future[None]]] | None = None) -> bool:
+              early: EarlyStarted | None = None) -> bool:
     """Make ``ref`` (a local publication) durable: the pre-commit fence (a
     fenced writer uploads nothing), :func:`upload_components`, then
     :func:`commit_durable`. A version-3 save first has ``intent`` (the
@@ -224,15 +224,17 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
     :class:`CorruptionError` when the local copy does not verify,
     :class:`CommitConflictError` when the durable tier holds another commit
     of the same step and attempt, and the store's errors otherwise.
-    ``early``: uploads of components started while the save was still being
-    written locally (:class:`EarlyUploads`); those that succeeded with the
-    committed entry are not uploaded again."""
+    ``early``: uploads started while the save was still being written
+    locally (:class:`EarlyUploads`): whole components, or a version-3 save's
+    own new pieces; those that succeeded with the committed entry (piece) are
+    not uploaded again, and a version-3 replication counts its time from the
+    first of them (the pieces' age, §9.4 step 1)."""
     rec = ref.record
     attempt = attempts.read(rec.attempt)
     attempts.check_not_superseded(attempt, rec.step, committed=False)
     if not rec.piece_refs():
         done: set[str] = set()
-        for name, (entry, fut) in (early or {}).items():
+        for name, (entry, fut) in (early.components if early is not None else {}).items():
             try:
                 fut.result()
             except Exception:  # noqa: BLE001 - uploaded again now, with its own errors
@@ -242,10 +244,22 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
         upload_components(local, durable, ref, None, on_component, uploaded=done)
         return commit_durable(durable, attempts, ref, attempt=attempt)
     started = time.monotonic()
+    need = rec.piece_refs()
+    landed: set[tuple[str, str]] = set()  # this save's own pieces an early upload put in the durable tier
+    if early is not None:
+        started = min(started, early.started)
+        for hd, (size, fut) in early.pieces.items():
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - uploaded again now, with its own errors
+                continue
+            if hd[0] == rec.save_id and need.get(hd) == size:
+                landed.add(hd)
     guard = intent if intent is not None else DurableIntent(durable, rec.attempt, timing)
     try:
         have = guard.protect(rec)
-        upload_components(local, durable, ref, None, on_component, have=have)
+        # what landed early is checked like the rest: listed in the durable tier with its size
+        upload_components(local, durable, ref, None, on_component, have=set(have) | landed)
         guard.check_live(rec, started)
         created = commit_durable(durable, attempts, ref, attempt=attempt)
     except BaseException:
@@ -257,17 +271,33 @@ def copy_save(local: RunIO, durable: RunIO, attempts: AttemptLog, ref: SaveRef,
     return created
 
 
+@dataclass
+class EarlyStarted:
+    """The early uploads of one save (:class:`EarlyUploads`)."""
+
+    #: ``time.monotonic()`` when the first of them began
+    started: float
+    #: whole components (version 2): name -> (the entry uploaded, its upload)
+    components: dict[str, tuple[ComponentEntry, Future[None]]] = field(default_factory=dict)
+    #: the save's own new pieces (version 3): (holder, digest) -> (size, its upload)
+    pieces: dict[tuple[str, str], tuple[int, Future[None]]] = field(default_factory=dict)
+
+
 class EarlyUploads:
-    """Components copied to the durable tier while their save is still being
-    written locally: each one as soon as its local ``put`` returned (read back
-    from the local tier and verified on the way, like every replicated byte),
-    so that a save is durable about one upload after its last component was
-    written, not after the whole local save and then the whole upload. Only
-    components, never a commit record: the durable commit still comes from
-    :func:`copy_save` after the local one, in commit order, between the
-    durable fences. Uploads of a save that is never replicated (aborted,
-    skipped, fenced) are left to the durable tier's gc (uncommitted, older than
-    the grace period)."""
+    """A save's bytes copied to the durable tier while the save is still being
+    written locally: each component as soon as its local ``put`` returned (read
+    back from the local tier and verified on the way, like every replicated
+    byte) — a whole component (version 2), or the new pieces the save wrote
+    under its own ID (version 3; pieces of earlier saves it reuses are left to
+    :func:`copy_save`, which protects them with its durable intent) — so that a
+    save is durable about one upload after its last component was written, not
+    after the whole local save and then the whole upload. Never a commit
+    record: the durable commit still comes from :func:`copy_save` after the
+    local one, in commit order, between the durable fences, after every piece
+    it names was listed there. Uploads of a save that is never replicated
+    (aborted, skipped, fenced) are left to the durable tier's gc (uncommitted,
+    older than the grace period; a version-3 replication counts its age from
+    the first early upload, so none of its pieces can have aged past it)."""
 
     #: saves whose uploads are remembered at most (older ones are forgotten)
     KEEP = 4
@@ -276,27 +306,38 @@ class EarlyUploads:
         self.local, self.durable = local, durable
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._by_save: dict[str, dict[str, tuple[ComponentEntry, Future[None]]]] = {}
+        self._by_save: dict[str, EarlyStarted] = {}
 
     def start(self, save_id: str, entry: ComponentEntry) -> None:
-        """Begin copying component ``entry`` of ``save_id`` (committed locally's
-        bytes are what it verifies against; a pieced entry is left to :func:`copy_save`)."""
-        if entry.pieces is not None:
-            return
-        key = component_key(self.local.run_id, save_id, entry.name)
+        """Begin copying component ``entry`` of ``save_id``, written and settled
+        locally (its bytes are verified against ``entry`` on the way): the
+        whole component, or the pieces of it held under ``save_id``."""
+        rid = self.local.run_id
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="ckptstore-early")
-            fut = self._pool.submit(_copy_object, self.local, self.durable, key, entry,
-                                    f"local copy of {entry.name!r}")
-            self._by_save.setdefault(save_id, {})[entry.name] = (entry, fut)
+            mine = self._by_save.get(save_id)
+            if mine is None:
+                mine = self._by_save[save_id] = EarlyStarted(time.monotonic())
+            if entry.pieces is None:
+                fut = self._pool.submit(_copy_object, self.local, self.durable, component_key(rid, save_id, entry.name),
+                                        entry, f"local copy of {entry.name!r}")
+                mine.components[entry.name] = (entry, fut)
+            for p in entry.pieces or ():
+                hd = (p.holder, p.digest)
+                if p.holder != save_id or hd in mine.pieces:
+                    continue
+                fut = self._pool.submit(_copy_object, self.local, self.durable, piece_key(rid, *hd),
+                                        ComponentEntry(p.digest, p.size, p.digest),
+                                        f"local copy of {entry.name!r}, piece {p.digest[:16]}")
+                mine.pieces[hd] = (p.size, fut)
             while len(self._by_save) > self.KEEP:
                 self._by_save.pop(next(iter(self._by_save)))
 
-    def take(self, save_id: str) -> dict[str, tuple[ComponentEntry, Future[None]]]:
-        """The uploads started for ``save_id`` (forgotten here)."""
+    def take(self, save_id: str) -> EarlyStarted | None:
+        """The uploads started for ``save_id`` (forgotten here), None when none was."""
         with self._lock:
-            return self._by_save.pop(save_id, {})
+            return self._by_save.pop(save_id, None)
 
     def close(self) -> None:
         with self._lock:

@@ -497,7 +497,7 @@ class TierSet:
         component is also copied to the durable tier as soon as it is written."""
         assert self.attempt is not None and self.replicator is not None
         ctx = self.local.writer(self.attempt, self.writer_id, self.pieces)
-        if self.early is not None and self.pieces is None and self.replicator.takes_next():
+        if self.early is not None and self.replicator.takes_next():
             return _EarlyStaged(ctx, step, save_id, self.early)
         return StagedSave(ctx, step, save_id)
 

@@ -24,7 +24,6 @@ import pytest
 
 from ckptstore import CheckpointStore, CkptStoreError, Keyring, SaveRef, SaveState
 from ckptstore.backends.base import Backend
-from tests.helpers import settle_background_writes
 
 pytestmark = pytest.mark.backends("local", "seaweedfs", "fakegcs")
 
@@ -117,30 +116,13 @@ def test_a_run_lives_through_kill_damage_fallback_and_gc(
 
 
 @pytest.mark.backends("local")
-@pytest.mark.parametrize("how", ["new-run", "existing-run"])
-def test_early_replication_on_a_version_3_run_is_refused_at_open_with_the_fix(
-        backend: Backend, tmp_path: Path, how: str) -> None:
-    """It used to be silently off there (the save took the plain path)."""
-    if how == "existing-run":
-        CheckpointStore.open(backend, "run", identity=IDENT, protocol_version=3).close()
-    version = 3 if how == "new-run" else None
-    settle_background_writes()  # a version-3 save's next intent lands after the save returned
-    before = backend.list_keys("")
-    with pytest.raises(CkptStoreError, match="early_replication is not available on a protocol version 3 run"):
-        CheckpointStore.open(backend, "run", identity=IDENT, protocol_version=version,
-                             local_tier=tmp_path / "nvme", early_replication=True)
-    assert backend.list_keys("") == before  # refused before anything was written
-
-
-@pytest.mark.backends("local")
 @pytest.mark.parametrize(("opts", "message"), [
     ({"rank": 0, "early_replication": True}, "early_replication is for one process"),
-    ({"early_replication": True, "protocol_version": 3}, "early_replication is not available on a protocol version 3"),
     ({"keep": 0}, "must be at least 1"),
     ({"join_attempt": 1}, "local_tier with join_attempt needs the rank's tier"),
     ({"peer_copies": 1}, "peer_copies is for many ranks"),
     ({"peer_copies": -1}, "peer_copies must be >= 0"),
-], ids=["ranks-early", "v3-early", "keep-0", "join-no-rank", "one-process-peers", "peers-negative"])
+], ids=["ranks-early", "keep-0", "join-no-rank", "one-process-peers", "peers-negative"])
 def test_each_refused_combination_names_its_fix_before_anything_is_written(
         backend: Backend, tmp_path: Path, opts: dict[str, Any], message: str) -> None:
     from ckptstore import OpenOptions, TierOptions

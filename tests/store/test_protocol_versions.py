@@ -115,20 +115,21 @@ def test_new_runs_are_version_3_and_name_commits_newest_first(backend_factory: C
     assert ref is not None and ref.step == 10
 
 
-def test_a_new_run_asking_for_early_replication_is_version_2(
+def test_a_new_run_is_version_3_whatever_else_it_asks_for(
         backend_factory: Callable[[], Backend], tmp_path: Path) -> None:
-    """Early replication copies whole components as their local writes return:
-    a run created with it is version 2 (``options.new_run_version``), asked
-    for explicitly or not; an explicit version 3 with it is refused at open."""
+    """``options.new_run_version`` is the one place the default is decided:
+    3 unless ``protocol_version`` says otherwise, early replication included
+    (it uploads a version-3 save's new pieces as they are written)."""
     from ckptstore import OpenOptions, TierOptions
     from ckptstore.options import new_run_version
 
     o = OpenOptions(tiers=TierOptions(tmp_path / "nvme", early_replication=True))
-    assert new_run_version(o) == 2 and new_run_version(OpenOptions()) == 3
+    assert new_run_version(o) == 3 and new_run_version(OpenOptions()) == 3
     assert new_run_version(OpenOptions(protocol_version=1)) == 1
     with CheckpointStore.open(backend_factory(), "early", identity=IDENT, options=o) as st:
         save(st, 1)
-        assert st.run_record["protocol_version"] == 2
+        assert st.run_record["protocol_version"] == 3
+        assert st.flush(30)
 
 
 def test_a_version_1_run_is_read_resumed_written_and_collected_as_version_1(

@@ -110,7 +110,9 @@ def resume_parts(d: str, model: Any, opt: Any, rounds: int) -> str:
     objs = {"model": model, "optimizer": opt}
     tpath = os.path.join(d, "t.pt")
     ts.torch_save(tpath, model, opt)
-    files = [os.path.join(top, f) for top, _, fs in os.walk(os.path.join(d, "prof", "saves")) for f in fs]
+    # the run's one save: its component files (version 2) or its pieces (version 3, the default)
+    files = [os.path.join(top, f) for sub in ("saves", "pieces") for top, _, fs in os.walk(os.path.join(d, "prof", sub))
+             for f in fs]
     total = sum(os.path.getsize(f) for f in files)
     data = ts.buffers(model, opt)
     out: dict[str, list[float]] = {}

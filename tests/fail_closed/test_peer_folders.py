@@ -11,9 +11,13 @@ bytes at all. Every test asserts what is refused or ignored, with its
 reason, and that nothing outside the folder it belongs to changed
 (snapshots, links never followed).
 
-The job's run is version 2 (whole components under ``saves/``, a frame sent
-and received on one thread); the version-3 counterpart, a part copied as its
-pieces, is tests/fail_closed/test_peer_pieces.py."""
+The job runs at protocol versions 2 and 3 (the ``version`` fixture). The
+tests that send and receive a frame on one thread, or plant whole
+components under ``saves/``, are version 2's (``VERSION_2``); their version-3
+counterparts, a part copied as its pieces with both ends on their own
+threads, are tests/fail_closed/test_peer_pieces.py. The planted folders,
+links, odd names, foreign runs and identities, zombies' holdings and lying
+frame headers are judged the same on both versions."""
 
 from __future__ import annotations
 
@@ -73,10 +77,11 @@ class Job:
         return self.local / f"rank-{rank}"
 
 
-def open_pair(base: Path, peers: dict[int, Any] | None = None) -> tuple[CheckpointStore, CheckpointStore]:
+def open_pair(base: Path, peers: dict[int, Any] | None = None, version: int | None = None,
+              ) -> tuple[CheckpointStore, CheckpointStore]:
     tiers = TierOptions(base / "local", close_flush_seconds=0.5, replicate_every=10, keep=5)
     coord = CheckpointStore.open(str(base / "durable"), "run", identity=IDENT, options=OpenOptions(
-        protocol_version=2, single_writer=True, tiers=replace(tiers, rank=0, peers=peers or {})))
+        protocol_version=version, single_writer=True, tiers=replace(tiers, rank=0, peers=peers or {})))
     assert coord.attempt is not None
     member = CheckpointStore.open(str(base / "durable"), "run", identity=IDENT, join_attempt=coord.attempt.number,
                                   options=OpenOptions(tiers=replace(tiers, rank=1)))
@@ -96,12 +101,25 @@ def save(coord: CheckpointStore, member: CheckpointStore, step: int) -> Any:
     return ref
 
 
+@pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
+def version(request: pytest.FixtureRequest) -> int:
+    """The job's protocol version; a test of version 2's layout (whole components under ``saves/``)
+    is pinned to it with :data:`WHOLE_COMPONENTS` (its version-3 counterpart: test_peer_pieces.py)."""
+    return int(request.param)
+
+
+#: pins a test to version 2: it sends and receives a frame on one thread (:func:`fetch`, a version-2
+#: frame; a version-3 frame waits for the receiver's reply, so test_peer_pieces.py runs both ends on
+#: two threads), or it plants or reads whole components under ``saves/``
+VERSION_2 = pytest.mark.parametrize("version", [2], indirect=True, ids=["v2"], scope="module")
+
+
 @pytest.fixture(scope="module")
-def made(tmp_path_factory: pytest.TempPathFactory) -> Job:
+def made(tmp_path_factory: pytest.TempPathFactory, version: int) -> Job:
     """Steps 1 (durable too), 2 and 3 (local only) of attempt 1; each rank's
     folder copied into the other's peer folder (what the copy thread leaves)."""
     base = tmp_path_factory.mktemp("peerjob")
-    coord, member = open_pair(base)
+    coord, member = open_pair(base, version=version)
     refs = {step: save(coord, member, step) for step in (1, 2, 3)}
     assert coord.flush(10) and member.flush(10)
     digest = coord.identity_digest
@@ -170,6 +188,7 @@ def save_files(folder: Path, save_id: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ baseline
+@VERSION_2
 def test_a_sound_peer_copy_is_held_planned_and_written_back_bit_for_bit(job: Job) -> None:
     """The way every hostile case below is refused on works for a sound copy."""
     held, why = holdings(job, 0)
@@ -187,6 +206,7 @@ def test_a_sound_peer_copy_is_held_planned_and_written_back_bit_for_bit(job: Job
     assert (job.own(1) / "run" / "saves" / sid / "rank1" / "w").read_bytes() == part(3, 1)
 
 
+@VERSION_2
 def test_a_write_back_killed_before_its_commit_is_done_again_at_the_next_open(job: Job) -> None:
     """A process killed after the written-back components landed but before
     their commit record: that folder holds nothing (no commit), and the next
@@ -337,6 +357,7 @@ def register_attempt_2(job: Job) -> None:
     member.close()
 
 
+@VERSION_2
 def test_a_zombie_attempts_peer_copy_is_never_written_back(job: Job) -> None:
     register_attempt_2(job)
     shutil.rmtree(job.own(1))
@@ -365,6 +386,7 @@ def damage(path: Path, how: str) -> None:
         path.write_bytes(data + b"more")
 
 
+@VERSION_2
 @pytest.mark.parametrize("how", ["flipped", "truncated", "oversized"])
 def test_a_damaged_peer_copy_is_not_held_and_nothing_of_it_lands(job: Job, how: str) -> None:
     sid = job.refs[3].save_id
@@ -434,6 +456,7 @@ def test_a_frame_that_lies_is_a_peer_copy_error_and_the_owner_writes_nothing(job
     assert not job.own(1).exists()
 
 
+@VERSION_2
 def test_a_component_flipped_on_the_wire_never_lands(job: Job) -> None:
     shutil.rmtree(job.own(1))
     good = part(3, 1)
@@ -447,6 +470,7 @@ def test_a_component_flipped_on_the_wire_never_lands(job: Job) -> None:
     assert commits(job.own(1)) == set() and save_files(job.own(1), job.refs[3].save_id) in ([], ["rank1"])
 
 
+@VERSION_2
 def test_a_sender_that_stops_mid_component_leaves_nothing(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pf, "CHUNK", 1000)  # rank 1's part of 9,000 bytes is 9 chunks
     shutil.rmtree(job.own(1))
@@ -461,6 +485,7 @@ def test_a_sender_that_stops_mid_component_leaves_nothing(job: Job, monkeypatch:
     assert save_files(job.own(1), job.refs[3].save_id) in ([], ["rank1"]), save_files(job.own(1), job.refs[3].save_id)
 
 
+@VERSION_2
 def test_a_component_longer_than_its_record_says_puts_the_link_out_of_step(job: Job) -> None:
     """The receiver takes the sizes from the record, never from the sender: the
     surplus is not written; it is read as the next frame's header, which is
@@ -476,6 +501,7 @@ def test_a_component_longer_than_its_record_says_puts_the_link_out_of_step(job: 
         receive_frame(wire.end(1), 0, 1, "run")
 
 
+@VERSION_2
 def test_a_record_claiming_a_huge_component_costs_the_receiver_bounded_memory(job: Job) -> None:
     import tracemalloc
 
@@ -536,6 +562,7 @@ def receive_once(job: Job, *, sent: int, acknowledged: int) -> tuple[pc.PeerCopi
     return copies, wire
 
 
+@VERSION_2
 @pytest.mark.parametrize("where", sorted(LINKED))
 def test_the_copy_thread_writes_nothing_through_a_link_in_its_peer_folder(job: Job, tmp_path: Path,
                                                                            where: str) -> None:
@@ -548,6 +575,7 @@ def test_the_copy_thread_writes_nothing_through_a_link_in_its_peer_folder(job: J
     assert snapshot(away) == before and snapshot(job.own(0) / "run") == own_before and link.is_symlink()
 
 
+@VERSION_2
 def test_the_copy_thread_keeps_only_the_save_acknowledged_here(job: Job) -> None:
     """A sender that sends another save's record (here step 2's, when step 3
     was acknowledged) is refused and its frame drained; the folder is unchanged."""
@@ -558,6 +586,7 @@ def test_the_copy_thread_keeps_only_the_save_acknowledged_here(job: Job) -> None
     assert wire.left(1, 0) == b"" and snapshot(job.peer(0, 1)) == before
 
 
+@VERSION_2
 def test_a_rank_that_is_not_a_pair_gets_nothing_accepted(job: Job) -> None:
     """Rank 2 (no pair of rank 0's) sends rank 0 a sound-looking frame of rank
     1's part: never received, no folder made for it, nothing of rank 0's
@@ -577,6 +606,7 @@ def test_a_rank_that_is_not_a_pair_gets_nothing_accepted(job: Job) -> None:
     assert snapshot(job.own(0) / "run") == own_before
 
 
+@VERSION_2
 def test_peer_retention_deletes_nothing_outside_its_folder(job: Job, tmp_path: Path) -> None:
     """keep=1: the folder of rank 1's copies is trimmed to step 3; step 2's save
     folder there is a planted link to a user's folder (never followed), and the

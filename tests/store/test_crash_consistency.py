@@ -19,7 +19,7 @@ from ckptstore.backends.faults import Crashed, FaultyBackend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.testing.invariants import assert_invariant_1, invariant_1_violations
 from ckptstore.testing.simfs import SimFS
-from tests.helpers import IDENT
+from tests.helpers import IDENT, settle_background_writes
 
 SHAPES = {1: [3000], 2: [100, 20_000], 3: [0, 5000, 70_000]}  # component sizes per shape
 
@@ -209,8 +209,11 @@ def test_stray_temp_files_are_not_objects(tmp_path) -> None:  # type: ignore[no-
     fs = SimFS(root)
     st = CheckpointStore.open(LocalBackend(root, ops=fs), "run", identity=IDENT)
     do_save(st, 1, [100])
+    # a version-3 save writes its next intent in a background thread after it returned: wait for it, so
+    # that the crash below counts the second save's syscalls alone (it used to land in that thread at times)
+    settle_background_writes()
     fs.sync_all()
-    fs.crash_after(3)  # mkdir, fsync_dir, then dies inside the first component's temp file
+    fs.crash_after(3)  # dies three syscalls into the second save, before anything of it is complete
     with pytest.raises(Crashed):
         do_save(st, 2, [5000])
     reader = CheckpointStore.open(LocalBackend(root, ops=fs, create_root=False), "run", mode="r")

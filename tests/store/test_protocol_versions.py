@@ -1,8 +1,7 @@
 """Protocol versions side by side (PROTOCOL.md §1.1), on every backend.
 
 New runs are version 3 (pieces, PROTOCOL.md §9; commit records named newest
-first, as version 2), and version 2 when the early replication option asks
-for whole components; a run created
+first, as version 2) unless they ask for another version; a run created
 under version 1 stays version 1 — read, resumed, written and collected as
 such, every record it gains stamped version 1 — so version-1 writers can keep
 using it; one store holds both kinds; a name of the other layout inside a run

@@ -111,6 +111,8 @@ def run(cfg: Config) -> list[Row]:
     import blake3
 
     from ckptstore import CheckpointStore
+    from ckptstore.protocol import component_key
+    from ckptstore.protocol.layout import piece_key
 
     steps = 2 * EVERY + 5
     with scratch(cfg.disk_dir, "bench-row8-") as d:
@@ -129,10 +131,9 @@ def run(cfg: Config) -> list[Row]:
         assert ref is not None
         nbytes = ref.total_bytes
         # the files the save's bytes are in: its pieces (version 3, the default) or its component files
-        files = sorted({os.path.join(url, last, "pieces", p.holder, p.digest) for c in ref.record.components.values()
-                        for p in c.pieces or ()}
-                       | {os.path.join(url, last, "saves", ref.save_id, c.name) for c in ref.record.components.values()
-                          if c.pieces is None})
+        comps = ref.record.components.values()
+        files = sorted({os.path.join(url, piece_key(last, p.holder, p.digest)) for c in comps for p in c.pieces or ()}
+                       | {os.path.join(url, component_key(last, ref.save_id, c.name)) for c in comps if c.pieces is None})
         assert files, "the floor reads the files that hold the save"
         model, opt, x, y = build(cfg.quick)
         for _ in range(max(2, cfg.repeat // 3)):

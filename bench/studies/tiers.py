@@ -36,6 +36,8 @@ import blake3  # noqa: E402
 from ckptstore import CheckpointStore, OpenOptions, TierOptions  # noqa: E402
 from ckptstore.backends.fsspec_base import PART_SIZE  # noqa: E402
 from ckptstore.backends.schemes import backend_from_url  # noqa: E402
+from ckptstore.protocol import component_key  # noqa: E402
+from ckptstore.protocol.layout import piece_key  # noqa: E402
 from devservers.servers import BUCKET, SERVERS  # noqa: E402
 
 MiB = 1 << 20
@@ -153,8 +155,8 @@ def main() -> None:  # noqa: PLR0915 - one bench, its rows in order
         rec = st.latest_complete().record  # type: ignore[union-attr]
         st.close()
         # the files the local tier holds each component in: its pieces (version 3, the default) or one file
-        stored = [[os.path.join(loc, "r", "pieces", q.holder, q.digest) for q in c.pieces] if c.pieces is not None
-                  else [os.path.join(loc, "r", "saves", rec.save_id, c.name)]
+        stored = [[os.path.join(loc, piece_key("r", q.holder, q.digest)) for q in c.pieces] if c.pieces is not None
+                  else [os.path.join(loc, component_key("r", rec.save_id, c.name))]
                   for c in (rec.components[f"p{i}"] for i in range(PARTS))]
         floor: list[float] = []
         from_local: list[tuple[float, float]] = []

@@ -79,14 +79,10 @@ def check_pieces(
     return problems
 
 
-def _piece_entry(p: PieceRef) -> ComponentEntry:
-    return ComponentEntry(p.digest, p.size, p.digest)
-
-
 def iter_pieced(io: RunIO, comp: ComponentEntry, label: str, chunk: int = CHUNK) -> Iterator[bytes]:
     """A pieced component's bytes, each piece verified before its last chunk is handed out."""
     for p in comp.pieces or ():
-        yield from io.verified_chunks(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p),
+        yield from io.verified_chunks(piece_key(io.run_id, p.holder, p.digest), p.as_entry(),
                                       f"{label}, piece {p.digest[:16]}", chunk)
 
 
@@ -95,7 +91,7 @@ def read_pieced_into(io: RunIO, comp: ComponentEntry, label: str, out: memoryvie
     many) piece by piece, each verified; the next piece is read while the
     last one is hashed."""
     io.read_verified_parts_into(
-        [(piece_key(io.run_id, p.holder, p.digest), _piece_entry(p), f"{label}, piece {p.digest[:16]}")
+        [(piece_key(io.run_id, p.holder, p.digest), p.as_entry(), f"{label}, piece {p.digest[:16]}")
          for p in comp.pieces or ()], out)
 
 

@@ -37,7 +37,6 @@ from ..protocol.layout import (
 )
 from ..protocol.pieces import cut_planned
 from ..protocol.records import IntentRecord, PieceRef, pieces_digest
-from ..protocol.selection import SkipReason
 from .bounded_io import RunIO
 from .hashing import iter_chunks
 from .intents import RENEW_SHARE, Intent, PieceTiming
@@ -45,7 +44,6 @@ from .piece_deadlines import PieceDeadline, Publication
 from .piece_evidence import Evidence, PieceEvidence
 from .piece_reads import check_present
 
-Problems = list[tuple[SkipReason, str]]
 #: Pieces uploaded at the same time by one ``put``.
 UPLOAD_CONCURRENCY = 4
 #: Pieces written before their fsyncs are issued together (``Backend.settle``).

@@ -293,6 +293,11 @@ class PieceRef:
     def to_json(self) -> list[Any]:
         return [self.holder, self.digest, self.size]
 
+    def as_entry(self) -> ComponentEntry:
+        """The piece as one object to read and verify: ``size`` bytes whose BLAKE3 is ``digest``
+        (named by its digest in messages)."""
+        return ComponentEntry(self.digest, self.size, self.digest)
+
 
 def pieces_digest(pieces: Sequence[PieceRef]) -> str:
     """The ``blake3`` of a pieced component: BLAKE3 of the canonical JSON list of

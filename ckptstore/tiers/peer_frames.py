@@ -97,7 +97,7 @@ def frame_objects(rec: CommitRecord, names: Sequence[str]) -> list[FrameObject]:
             if hd in seen:
                 continue
             seen.add(hd)
-            out.append(FrameObject(piece_key(rec.run_id, p.holder, p.digest), ComponentEntry(p.digest, p.size, p.digest),
+            out.append(FrameObject(piece_key(rec.run_id, p.holder, p.digest), p.as_entry(),
                                    f"{name!r}, piece {p.digest[:16]}", hd))
     return out
 

@@ -36,6 +36,7 @@ from ..errors import (
 )
 from ..protocol import AttemptRecord, ComponentEntry, component_key, save_prefix
 from ..protocol.layout import piece_key
+from ..protocol.records import PieceRef
 from ..protocol.selection import SaveRef
 from ..retry import RetryPolicy
 from ..util.redact import redact_text
@@ -121,6 +122,12 @@ def _copy_object(local: RunIO, durable: RunIO, key: str, entry: ComponentEntry, 
     durable.retry.call(lambda: durable.backend.put(key, local.verified_chunks(key, entry, label)))
 
 
+def _piece_copy(run_id: str, name: str, p: PieceRef) -> tuple[str, ComponentEntry, str]:
+    """What :func:`_copy_object` takes to copy piece ``p`` of component ``name``: its key (the same in
+    both tiers), the entry it is verified against, and its label in messages."""
+    return piece_key(run_id, p.holder, p.digest), p.as_entry(), f"local copy of {name!r}, piece {p.digest[:16]}"
+
+
 def upload_components(local: RunIO, durable: RunIO, ref: SaveRef, names: Iterable[str] | None = None,
                       on_component: Callable[[str], None] | None = None, *,
                       have: Collection[tuple[str, str]] | None = None, uploaded: Collection[str] = ()) -> None:
@@ -155,8 +162,7 @@ def upload_components(local: RunIO, durable: RunIO, ref: SaveRef, names: Iterabl
             if hd in skip or hd in queued:
                 continue
             queued.add(hd)
-            objs.append((piece_key(local.run_id, p.holder, p.digest), ComponentEntry(p.digest, p.size, p.digest),
-                         f"local copy of {name!r}, piece {p.digest[:16]}"))
+            objs.append(_piece_copy(local.run_id, name, p))
         jobs.append((name, objs))
     flat = [o for _, objs in jobs for o in objs]
     if flat:
@@ -327,9 +333,7 @@ class EarlyUploads:
                 hd = (p.holder, p.digest)
                 if p.holder != save_id or hd in mine.pieces:
                     continue
-                fut = self._pool.submit(_copy_object, self.local, self.durable, piece_key(rid, *hd),
-                                        ComponentEntry(p.digest, p.size, p.digest),
-                                        f"local copy of {entry.name!r}, piece {p.digest[:16]}")
+                fut = self._pool.submit(_copy_object, self.local, self.durable, *_piece_copy(rid, entry.name, p))
                 mine.pieces[hd] = (p.size, fut)
             while len(self._by_save) > self.KEEP:
                 self._by_save.pop(next(iter(self._by_save)))

@@ -56,6 +56,7 @@ is the one written copy, and ``tests/house/test_layers.py`` reads it::
     tiers.tier_dir            the tier's folders opened without following links, kept apart from the durable run
     tiers.local               the local tier: mirror, selection judged by durable attempts, gc
     tiers.durable_intent      the replicator's save intent in the durable tier (version 3)
+    tiers.durable_copy        one save copied to the durable tier: verified uploads, early uploads, the durable commit
     tiers.replicator          background replication to the durable tier, in commit order
     tiers.parts               many ranks: rank folders, local holdings, each rank's replication step
     tiers.peer_frames         peer copies on the wire: frames, and a received part written verified

@@ -12,11 +12,11 @@ and verifies only those (:attr:`ckptstore.core.catalog.Catalog.part`).
   (every byte re-hashed); the coordinator resumes from the local tiers only
   when every rank holds the chosen save's exact record (manifest digest).
 * :class:`PartCopier`: the replication step of one rank: upload its own
-  components (:func:`~ckptstore.tiers.replicator.upload_components`); on the
+  components (:func:`~ckptstore.tiers.durable_copy.upload_components`); on the
   coordinator, then wait until the durable tier holds every component of the
   record with its size (the save folder's listing; for a pieced component,
   every piece listed with its size), and create the durable commit
-  (:func:`~ckptstore.tiers.replicator.commit_durable`). A rank that never
+  (:func:`~ckptstore.tiers.durable_copy.commit_durable`). A rank that never
   uploads never leads to a durable commit.
 * Version 3 (pieces): each rank's :class:`~ckptstore.tiers.durable_intent.DurableIntent`
   protects the durable pieces its part reuses while it uploads only those
@@ -46,8 +46,8 @@ from ..core.record_auth import RecordAuth
 from ..errors import CkptStoreError, TransientError
 from ..protocol import CommitRecord, save_prefix
 from ..protocol.selection import SaveRef, superseded_by
+from .durable_copy import commit_durable, upload_components
 from .durable_intent import DurableIntent
-from .replicator import commit_durable, upload_components
 from .tier_dir import check_run_folder, open_tier_dir, rank_folder
 
 #: the newest local commits a rank reports as verified (each costs a re-hash of its part at open)
@@ -145,7 +145,7 @@ def local_holdings(local_tier: str | os.PathLike[str], run_id: str, rank: int, i
 
 class PartCopier:
     """The replication step of one rank of a multi-rank tiered job (see the
-    module docstring); a drop-in for :func:`~ckptstore.tiers.replicator.copy_save`.
+    module docstring); a drop-in for :func:`~ckptstore.tiers.durable_copy.copy_save`.
     Returns True when this call created the durable commit record.
 
     ``intent`` (version 3): this rank's save intent in the durable tier; a

@@ -36,8 +36,8 @@ from ..protocol import CommitRecord, ComponentEntry, component_key
 from ..protocol.layout import piece_key
 from ..protocol.records import MAX_COMMIT_RECORD
 from ..protocol.selection import SaveRef
+from .durable_copy import commit_durable
 from .local import LocalTier
-from .replicator import commit_durable
 
 __all__ = ["CHUNK", "Frame", "FrameObject", "PeerCopyError", "PeerLink", "Sent", "frame_objects", "receive_frame",
            "receive_part", "send_part"]
@@ -317,7 +317,7 @@ def receive_part(frame: Frame, tier: LocalTier,
     """Write ``frame``'s part into ``tier`` (a peer folder, or the owner's own
     folder on a write-back), every object verified on the way, then create
     the record bytes with the tier's atomic commit after the fences of its
-    attempt mirror (:func:`~ckptstore.tiers.replicator.commit_durable`: the
+    attempt mirror (:func:`~ckptstore.tiers.durable_copy.commit_durable`: the
     one commit sequence). A frame of pieces is answered first with ``need``
     (which objects to send; default: every one), and every piece of the part
     must then be in ``tier`` with its size (those not sent included) before

@@ -51,11 +51,12 @@ from ..protocol import AttemptRecord, CommitRecord, ComponentEntry, run_record_k
 from ..protocol.selection import SaveInfo, SaveRef, SaveState, Selection
 from ..retry import RetryPolicy
 from ..util.shutdown import before_pools_stop
+from .durable_copy import EarlyUploads
 from .durable_intent import DurableIntent
 from .local import MAX_RUN_RECORD, LocalTier
 from .parts import PartCopier, part_record
 from .peer_copies import PEER_WAIT_SECONDS, PeerCopies, open_peer_folder
-from .replicator import EarlyUploads, ReplicationStatus, Replicator
+from .replicator import ReplicationStatus, Replicator
 
 T = TypeVar("T")
 
